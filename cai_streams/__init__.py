@@ -1,0 +1,55 @@
+"""Race-free, non-blocking handoff of CUDA arrays (CUDA Array Interface v3).
+
+Producers: :func:`track` records pending work per array across streams and
+joins it onto one stream at export. Consumers: ``await consume(obj)`` waits for
+the producer's work by polling from the event loop, or orders a stream after it.
+"""
+
+from __future__ import annotations
+
+from . import sim as sim
+from ._backend import Backend as Backend
+from ._backend import current_backend as current_backend
+from ._backend import use_backend as use_backend
+from ._errors import CaiStreamsError as CaiStreamsError
+from ._errors import CudaError as CudaError
+from ._errors import CudaWarning as CudaWarning
+from ._errors import HazardError as HazardError
+from ._errors import InterfaceError as InterfaceError
+from ._errors import KernelError as KernelError
+from ._interface import ArrayView as ArrayView
+from ._interface import parse as read_interface
+from ._stream import Event as Event
+from ._stream import Stream as Stream
+
+__all__ = (
+    "ArrayView",
+    "Backend",
+    "CaiStreamsError",
+    "CudaError",
+    "CudaWarning",
+    "Event",
+    "HazardError",
+    "InterfaceError",
+    "KernelError",
+    "Stream",
+    "current_backend",
+    "read_interface",
+    "sim",
+    "use_backend",
+)
+
+__version__ = "0.1.0"
+
+
+def _fix_module_names() -> None:
+    for name in __all__:
+        obj = globals()[name]
+        if isinstance(obj, type) or callable(obj):
+            try:
+                obj.__module__ = __name__
+            except (AttributeError, TypeError):
+                pass
+
+
+_fix_module_names()

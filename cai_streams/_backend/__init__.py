@@ -1,0 +1,179 @@
+"""The backend protocol and the process-wide choice of backend.
+
+A backend is the only code that talks to a device. Its methods take and return
+plain integer handles (what goes into a CAI ``stream`` entry), make one device
+call each, and raise :class:`~cai_streams.CudaError` on failure. Everything
+above it (streams, scheduling, polling, sanitizing) is shared by all backends,
+so the simulated device exercises the same code that runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from abc import ABC, abstractmethod
+from typing import Final
+
+from .._errors import CaiStreamsError
+
+__all__ = ["Backend", "current_backend", "use_backend", "BACKEND_NAMES"]
+
+logger = logging.getLogger("cai_streams")
+
+LEGACY_DEFAULT_STREAM: Final = 1
+PER_THREAD_DEFAULT_STREAM: Final = 2
+BACKEND_NAMES: Final = ("sim", "cuda")
+
+
+class Backend(ABC):
+    """One device as seen through integer stream and event handles."""
+
+    #: ``"sim"`` or ``"cuda"``
+    name: str
+
+    @classmethod
+    @abstractmethod
+    def unavailable_reason(cls) -> str | None:
+        """None when this backend can be used here, else a one-line reason."""
+
+    @abstractmethod
+    def create_stream(self) -> int:
+        """A new non-blocking stream (never synchronizes with the legacy stream)."""
+
+    @abstractmethod
+    def destroy_stream(self, stream: int) -> None:
+        """Release ``stream``; work already enqueued on it still completes."""
+
+    @abstractmethod
+    def is_stream(self, stream: int) -> bool:
+        """Whether ``stream`` can be used as a stream handle on this backend."""
+
+    @abstractmethod
+    def create_event(self) -> int:
+        """A new event without timing; never recorded, so it counts as complete."""
+
+    @abstractmethod
+    def destroy_event(self, event: int) -> None:
+        """Release ``event``; a pending record of it still completes."""
+
+    @abstractmethod
+    def record(self, event: int, stream: int) -> None:
+        """Make ``event`` capture the work enqueued on ``stream`` so far."""
+
+    @abstractmethod
+    def query(self, event: int) -> bool:
+        """True when the captured work is complete, False while it is not.
+
+        "Not ready" is a value; any other result raises.
+        """
+
+    @abstractmethod
+    def synchronize_event(self, event: int) -> None:
+        """Block the calling thread until the captured work is complete."""
+
+    @abstractmethod
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Make later work on ``stream`` wait for the work ``event`` captured.
+
+        Waiting on a never-recorded event is a no-op, as in CUDA.
+        """
+
+    @abstractmethod
+    def synchronize_stream(self, stream: int) -> None:
+        """Block the calling thread until all work on ``stream`` is complete."""
+
+    @abstractmethod
+    def current_device(self) -> int:
+        """The ordinal of the device this thread's work goes to."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to do by default
+        """Release what the backend holds; called at interpreter exit."""
+
+
+_lock = threading.Lock()
+_instances: dict[str, Backend] = {}
+_current: Backend | None = None
+
+
+def _backend_class(name: str) -> type[Backend]:
+    if name == "sim":
+        from ._sim import SimBackend
+
+        return SimBackend
+    if name == "cuda":
+        from ._cuda import CudaBackend
+
+        return CudaBackend
+    raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(BACKEND_NAMES)}")
+
+
+def _instance(name: str) -> Backend:
+    backend = _instances.get(name)
+    if backend is None:
+        cls = _backend_class(name)
+        reason = cls.unavailable_reason()
+        if reason is not None:
+            raise CaiStreamsError(f"the {name!r} backend cannot be used here: {reason}")
+        backend = cls()
+        _instances[name] = backend
+    return backend
+
+
+def use_backend(name: str) -> Backend:
+    """Make ``name`` (``"sim"`` or ``"cuda"``) the process-wide backend.
+
+    Streams and events made before the switch stay on their own backend. Blocks
+    briefly the first time a backend is started; enqueues no GPU work.
+    """
+    global _current
+    if not isinstance(name, str):
+        raise TypeError(f"backend name must be a str, got {type(name).__name__}")
+    with _lock:
+        _current = _instance(name)
+        return _current
+
+
+def current_backend() -> Backend:
+    """The process-wide backend, chosen on first use.
+
+    ``CAI_STREAMS_BACKEND`` if set; otherwise ``cuda`` when a device is usable,
+    else ``sim`` (said once at INFO level on the ``cai_streams`` logger).
+    Does not block after the first call.
+    """
+    backend = _current
+    if backend is not None:
+        return backend
+    return _select_default()
+
+
+def _select_default() -> Backend:
+    global _current
+    with _lock:
+        if _current is not None:
+            return _current
+        requested = os.environ.get("CAI_STREAMS_BACKEND", "").strip()
+        if requested:
+            if requested not in BACKEND_NAMES:
+                raise CaiStreamsError(
+                    f"CAI_STREAMS_BACKEND={requested!r}: expected one of {', '.join(BACKEND_NAMES)}"
+                )
+            _current = _instance(requested)
+            return _current
+        reason = _backend_class("cuda").unavailable_reason()
+        if reason is None:
+            _current = _instance("cuda")
+        else:
+            logger.info("cai_streams: using the simulated device (%s)", reason)
+            _current = _instance("sim")
+        return _current
+
+
+def _close_all() -> None:
+    with _lock:
+        for backend in _instances.values():
+            backend.close()
+
+
+atexit.register(_close_all)

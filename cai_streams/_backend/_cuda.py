@@ -1,0 +1,137 @@
+"""The real device: the CUDA runtime API through cuda.bindings.
+
+Streams and events are made on the device's primary context, the one CuPy,
+PyTorch and Numba use, so handles pass freely between them and this library.
+Each method is one runtime call; every result goes through :func:`check`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Final
+
+from .._errors import CudaError
+from . import Backend
+
+__all__ = ["CudaBackend", "check"]
+
+_runtime: Any = None
+_import_lock = threading.Lock()
+_SUCCESS: Final = 0
+_NOT_READY: Final = 600  # cudaErrorNotReady
+
+
+def _rt() -> Any:
+    global _runtime
+    if _runtime is None:
+        with _import_lock:
+            if _runtime is None:
+                from cuda.bindings import runtime
+
+                _runtime = runtime
+    return _runtime
+
+
+def _error(code: int, during: str) -> CudaError:
+    rt = _rt()
+    try:
+        err = rt.cudaError_t(code)
+        _, raw_name = rt.cudaGetErrorName(err)
+        _, raw_text = rt.cudaGetErrorString(err)
+        name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+        text = raw_text.decode() if isinstance(raw_text, bytes) else str(raw_text)
+    except Exception:  # an unknown code still becomes a CudaError
+        name, text = f"cudaError_{code}", "unknown error"
+    return CudaError(code, name, f"{text} (during {during})")
+
+
+def check(result: tuple[Any, ...], during: str) -> Any:
+    """The single place where a runtime result becomes a value or a CudaError."""
+    code = int(result[0])
+    if code != _SUCCESS:
+        raise _error(code, during)
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
+class CudaBackend(Backend):
+    """The CUDA runtime on the current device's primary context."""
+
+    name = "cuda"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            rt = _rt()
+        except Exception as exc:  # ImportError, or a broken install
+            return f"cuda-python is not importable ({type(exc).__name__}: {exc})"
+        try:
+            result = rt.cudaGetDeviceCount()
+        except Exception as exc:  # no driver library at all
+            return f"no CUDA driver ({type(exc).__name__}: {exc})"
+        code = int(result[0])
+        if code != _SUCCESS:
+            return f"no usable CUDA driver or device ({_error(code, 'cudaGetDeviceCount')})"
+        if int(result[1]) == 0:
+            return "no CUDA device is present"
+        return None
+
+    def __init__(self) -> None:
+        self._rt = _rt()
+        rt = self._rt
+        self._stream_t = rt.cudaStream_t
+        self._event_t = rt.cudaEvent_t
+        self._non_blocking = rt.cudaStreamNonBlocking
+        self._disable_timing = rt.cudaEventDisableTiming
+        # Make the primary context current on this thread (cudaFree(0) idiom).
+        check(rt.cudaFree(0), "cudaFree(0) to initialize the primary context")
+
+    def create_stream(self) -> int:
+        s = check(self._rt.cudaStreamCreateWithFlags(self._non_blocking), "cudaStreamCreate")
+        return int(s)
+
+    def destroy_stream(self, stream: int) -> None:
+        check(self._rt.cudaStreamDestroy(self._stream_t(stream)), "cudaStreamDestroy")
+
+    def is_stream(self, stream: int) -> bool:
+        # A raw cudaStream_t cannot be validated without risking a fault on a
+        # garbage pointer; the driver reports misuse when the handle is used.
+        return stream > 0
+
+    def create_event(self) -> int:
+        e = check(self._rt.cudaEventCreateWithFlags(self._disable_timing), "cudaEventCreate")
+        return int(e)
+
+    def destroy_event(self, event: int) -> None:
+        check(self._rt.cudaEventDestroy(self._event_t(event)), "cudaEventDestroy")
+
+    def record(self, event: int, stream: int) -> None:
+        check(
+            self._rt.cudaEventRecord(self._event_t(event), self._stream_t(stream)),
+            "cudaEventRecord",
+        )
+
+    def query(self, event: int) -> bool:
+        result = self._rt.cudaEventQuery(self._event_t(event))
+        code = int(result[0])
+        if code == _SUCCESS:
+            return True
+        if code == _NOT_READY:
+            return False
+        raise _error(code, "cudaEventQuery")
+
+    def synchronize_event(self, event: int) -> None:
+        check(self._rt.cudaEventSynchronize(self._event_t(event)), "cudaEventSynchronize")
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        check(
+            self._rt.cudaStreamWaitEvent(self._stream_t(stream), self._event_t(event), 0),
+            "cudaStreamWaitEvent",
+        )
+
+    def synchronize_stream(self, stream: int) -> None:
+        check(self._rt.cudaStreamSynchronize(self._stream_t(stream)), "cudaStreamSynchronize")
+
+    def current_device(self) -> int:
+        return int(check(self._rt.cudaGetDevice(), "cudaGetDevice"))

@@ -1,0 +1,68 @@
+"""Exception and warning types raised by cai_streams."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CaiStreamsError",
+    "CudaError",
+    "CudaWarning",
+    "HazardError",
+    "InterfaceError",
+    "KernelError",
+]
+
+
+class CaiStreamsError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class InterfaceError(CaiStreamsError, ValueError):
+    """A ``__cuda_array_interface__`` is malformed or not supported.
+
+    The message names the field, the value received and what was expected.
+    """
+
+
+class CudaError(CaiStreamsError, RuntimeError):
+    """A device call failed.
+
+    ``code`` is the integer result code and ``name`` its symbolic name
+    (``"cudaErrorInvalidResourceHandle"``, ...), as the driver reports them.
+    """
+
+    def __init__(self, code: int, name: str, message: str) -> None:
+        super().__init__(f"{name} ({code}): {message}")
+        self.code = code
+        self.name = name
+
+
+class KernelError(CudaError):
+    """Work on a stream failed; the simulated device's launch failure.
+
+    Raised by the first host synchronization of the stream that ran the failing
+    kernel, and by every event recorded on that stream after the failure (its
+    ``synchronize``, its ``is_done`` and any ``await`` on it). ``kernel`` names the
+    kernel; ``__cause__`` is the exception the kernel raised.
+    """
+
+    def __init__(self, kernel: str, stream: int, cause: BaseException) -> None:
+        super().__init__(
+            719,
+            "cudaErrorLaunchFailure",
+            f"kernel {kernel!r} on stream {stream:#x} raised {type(cause).__name__}: {cause}",
+        )
+        self.kernel = kernel
+        self.stream = stream
+        self.__cause__ = cause
+
+
+class HazardError(CaiStreamsError, RuntimeError):
+    """Two accesses to overlapping memory are not ordered (sanitizer)."""
+
+
+class CudaWarning(RuntimeWarning):
+    """A device call failed in cleanup, where raising would do more harm.
+
+    Following cuda.core, a failed destroy becomes a warning: a leaked handle is
+    preferable to a dangling one.
+    """

@@ -1,0 +1,385 @@
+"""CUDA Array Interface v0-v3: reading and validating it, and writing v3.
+
+``parse(obj)`` reads ``obj.__cuda_array_interface__`` exactly once and returns a
+frozen :class:`ArrayView`, or raises :class:`InterfaceError` naming the field,
+the value received and what is expected (:class:`TypeError` when ``obj`` has no
+interface at all).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Final
+
+import numpy as np
+
+from ._errors import InterfaceError
+
+__all__ = ["ArrayView", "parse", "c_strides", "is_c_contiguous", "v3_dict"]
+
+_REQUIRED: Final = ("shape", "typestr", "data", "version")
+_TYPESTR: Final = re.compile(r"[<>|][bifucmMSUV]\d+(\[\d*[A-Za-z]+\])?")
+_LATEST: Final = 3
+_dtypes: dict[str, np.dtype[Any]] = {}
+
+
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Byte strides of a C-contiguous array of ``shape``."""
+    strides = []
+    step = itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """numpy's rule: dimensions of length 1 may have any stride; empty is contiguous."""
+    if 0 in shape:
+        return True
+    step = itemsize
+    for n, s in zip(reversed(shape), reversed(strides), strict=True):
+        if n != 1 and s != step:
+            return False
+        step *= n
+    return True
+
+
+class ArrayView:
+    """A validated description of device memory (frozen).
+
+    ``strides`` are in bytes and always filled in. ``stream`` is where pending
+    work on the data must be waited for (None: nothing to wait for). ``owner``
+    is the object the view keeps alive. ``__cuda_array_interface__`` re-exports
+    it as version 3, so CuPy, Numba and PyTorch accept a view directly.
+    """
+
+    __slots__ = (
+        "_cai",
+        "dtype",
+        "mask",
+        "nbytes",
+        "owner",
+        "ptr",
+        "readonly",
+        "shape",
+        "size",
+        "stream",
+        "strides",
+        "typestr",
+        "version",
+    )
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype[Any]
+    typestr: str
+    readonly: bool
+    size: int
+    nbytes: int
+    version: int
+    mask: ArrayView | None
+    stream: int | None
+    owner: object
+    _cai: dict[str, Any] | None
+
+    def __init__(self) -> None:
+        raise TypeError("ArrayView is made by cai_streams (consume, read_interface)")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"ArrayView is frozen: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"ArrayView is frozen: cannot delete {name!r}")
+
+    def with_stream(self, stream: int | None) -> ArrayView:
+        """The same view with another ``stream`` entry."""
+        if stream == self.stream:
+            return self
+        return _make(
+            self.ptr,
+            self.shape,
+            self.strides,
+            self.dtype,
+            self.typestr,
+            self.readonly,
+            self.size,
+            self.nbytes,
+            self.version,
+            self.mask,
+            stream,
+            self.owner,
+        )
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        cai = self._cai
+        if cai is None:
+            cai = v3_dict(self)
+            _set_cai(self, cai)
+        return dict(cai)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ArrayView):
+            return NotImplemented
+        return self._key() == other._key() and self.owner is other.owner
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple[Any, ...]:
+        mask = None if self.mask is None else self.mask._key()
+        return (
+            self.ptr,
+            self.shape,
+            self.strides,
+            self.dtype,
+            self.typestr,
+            self.readonly,
+            self.version,
+            mask,
+            self.stream,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ArrayView(ptr={self.ptr:#x}, shape={self.shape}, dtype={self.dtype}, "
+            f"strides={self.strides}, readonly={self.readonly}, version={self.version}, "
+            f"stream={self.stream}, mask={'yes' if self.mask is not None else None})"
+        )
+
+
+_setters = {name: getattr(ArrayView, name).__set__ for name in ArrayView.__slots__}
+_set_cai = _setters["_cai"]
+
+
+def _make(
+    ptr: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: np.dtype[Any],
+    typestr: str,
+    readonly: bool,
+    size: int,
+    nbytes: int,
+    version: int,
+    mask: ArrayView | None,
+    stream: int | None,
+    owner: object,
+) -> ArrayView:
+    view: ArrayView = object.__new__(ArrayView)
+    s = _setters
+    s["ptr"](view, ptr)
+    s["shape"](view, shape)
+    s["strides"](view, strides)
+    s["dtype"](view, dtype)
+    s["typestr"](view, typestr)
+    s["readonly"](view, readonly)
+    s["size"](view, size)
+    s["nbytes"](view, nbytes)
+    s["version"](view, version)
+    s["mask"](view, mask)
+    s["stream"](view, stream)
+    s["owner"](view, owner)
+    s["_cai"](view, None)
+    return view
+
+
+def v3_dict(view: ArrayView) -> dict[str, Any]:
+    """A version 3 interface dict for ``view`` (never ``stream: 0``)."""
+    dtype = view.dtype
+    cai: dict[str, Any] = {
+        "shape": view.shape,
+        "typestr": view.typestr,
+        "data": (view.ptr if view.size else 0, view.readonly),
+        "strides": None
+        if is_c_contiguous(view.shape, view.strides, dtype.itemsize)
+        else view.strides,
+        "version": _LATEST,
+        "stream": view.stream or None,
+    }
+    if dtype.fields is not None:
+        cai["descr"] = dtype.descr
+    if view.mask is not None:
+        cai["mask"] = view.mask
+    return cai
+
+
+def _bad(field: str, value: object, expected: str) -> InterfaceError:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return InterfaceError(
+        f"__cuda_array_interface__[{field!r}] is {shown} ({type(value).__name__}): "
+        f"expected {expected}"
+    )
+
+
+def _is_int(value: object) -> bool:
+    if type(value) is int:
+        return True
+    return not isinstance(value, (bool, np.bool_)) and hasattr(type(value), "__index__")
+
+
+def _read(obj: object) -> Any:
+    try:
+        return obj.__cuda_array_interface__  # type: ignore[attr-defined]
+    except AttributeError as exc:
+        if hasattr(type(obj), "__cuda_array_interface__"):
+            raise TypeError(
+                f"{type(obj).__qualname__} has __cuda_array_interface__ but it is not "
+                f"available on this object: {exc}"
+            ) from exc
+        raise TypeError(
+            f"{type(obj).__module__}.{type(obj).__qualname__} does not expose "
+            "__cuda_array_interface__; accepted are objects exposing it (CuPy, PyTorch, "
+            "Numba, JAX arrays, cai_streams views, tracked and simulated arrays)"
+        ) from None
+
+
+def _dtype(typestr: object, descr: object) -> np.dtype[Any]:
+    if not isinstance(typestr, str):
+        raise _bad("typestr", typestr, "a numpy array-interface type string such as '<f4'")
+    dtype = _dtypes.get(typestr) if descr is None else None
+    if dtype is not None:
+        return dtype
+    if _TYPESTR.fullmatch(typestr) is None:
+        raise _bad(
+            "typestr",
+            typestr,
+            "a numpy array-interface type string: byte order (<, > or |), kind, size, "
+            "such as '<f4' or '|u1'",
+        )
+    try:
+        dtype = np.dtype(typestr)
+    except TypeError as exc:
+        raise _bad("typestr", typestr, f"a type numpy understands ({exc})") from None
+    if descr is not None and descr != [("", typestr)]:
+        try:
+            described: np.dtype[Any] = np.dtype(descr)  # type: ignore[call-overload]
+        except (TypeError, ValueError) as exc:
+            raise _bad("descr", descr, f"a numpy array-interface descr ({exc})") from None
+        if described.itemsize != dtype.itemsize or (
+            described.fields is not None and dtype.kind != "V"
+        ):
+            raise _bad("descr", descr, f"a description consistent with typestr {typestr!r}")
+        return described
+    if len(_dtypes) < 1024:
+        _dtypes[typestr] = dtype
+    return dtype
+
+
+def parse(obj: object) -> ArrayView:
+    """Read and validate ``obj.__cuda_array_interface__`` (once). Does not block,
+    enqueues nothing; ``view.stream`` says where pending work must be waited for.
+    """
+    if isinstance(obj, ArrayView):
+        return obj
+    cai = _read(obj)
+    if not isinstance(cai, Mapping):
+        if hasattr(cai, "keys") and hasattr(cai, "__getitem__"):
+            cai = {key: cai[key] for key in cai.keys()}
+            if cai.get("version") != 0:
+                raise InterfaceError(
+                    f"{type(obj).__qualname__}.__cuda_array_interface__ must be a dict "
+                    "(only version 0 allowed dictionary-like objects)"
+                )
+        else:
+            raise InterfaceError(
+                f"{type(obj).__qualname__}.__cuda_array_interface__ is a "
+                f"{type(cai).__name__}: expected a dict"
+            )
+    for key in _REQUIRED:
+        if key not in cai:
+            raise InterfaceError(
+                f"{type(obj).__qualname__}.__cuda_array_interface__ has no {key!r} entry "
+                f"(required: {', '.join(_REQUIRED)})"
+            )
+
+    version = cai["version"]
+    if not _is_int(version) or version < 0:
+        raise _bad("version", version, "a non-negative int")
+    version = int(version)
+    if version > _LATEST:
+        raise _bad("version", version, f"0 to {_LATEST} (newer versions are not supported)")
+
+    shape = cai["shape"]
+    if type(shape) is not tuple or not all(_is_int(n) and n >= 0 for n in shape):
+        raise _bad("shape", shape, "a tuple of non-negative ints")
+    shape = tuple(int(n) for n in shape)
+
+    dtype = _dtype(cai["typestr"], cai.get("descr"))
+    itemsize = dtype.itemsize
+    size = 1
+    for n in shape:
+        size *= n
+
+    data = cai["data"]
+    if type(data) is not tuple or len(data) != 2:
+        raise _bad("data", data, "a 2-tuple (pointer: int, read-only: bool)")
+    ptr, readonly = data
+    if not _is_int(ptr) or ptr < 0:
+        raise _bad("data", data, "a non-negative int pointer as its first element")
+    if not isinstance(readonly, (bool, np.bool_)):
+        raise _bad("data", data, "a bool read-only flag as its second element")
+    ptr = int(ptr)
+    if ptr == 0 and size:
+        raise _bad("data", data, f"a non-null pointer for a non-empty array of shape {shape}")
+
+    raw_strides = cai.get("strides")
+    if raw_strides is None:
+        strides = c_strides(shape, itemsize)
+    elif (
+        type(raw_strides) is not tuple
+        or len(raw_strides) != len(shape)
+        or not all(_is_int(s) for s in raw_strides)
+    ):
+        raise _bad("strides", raw_strides, f"None or a tuple of {len(shape)} ints (bytes)")
+    else:
+        strides = tuple(int(s) for s in raw_strides)
+
+    stream = None
+    if version >= 3:
+        stream = cai.get("stream")
+        if stream is not None:
+            if not _is_int(stream):
+                raise _bad("stream", stream, "None or an int stream handle")
+            stream = int(stream)
+            if stream == 0:
+                raise _bad(
+                    "stream",
+                    0,
+                    "None, 1 (legacy default), 2 (per-thread default) or a stream handle; "
+                    "0 is disallowed by the spec",
+                )
+            if stream < 0:
+                raise _bad("stream", stream, "a positive stream handle")
+
+    mask = None
+    if version >= 1:
+        raw_mask = cai.get("mask")
+        if raw_mask is not None:
+            if not hasattr(raw_mask, "__cuda_array_interface__"):
+                raise _bad("mask", raw_mask, "None or an object exposing __cuda_array_interface__")
+            mask = parse(raw_mask)
+            if mask.shape != shape:
+                raise _bad(
+                    "mask", raw_mask, f"a mask of the array's shape {shape}, not {mask.shape}"
+                )
+
+    return _make(
+        ptr,
+        shape,
+        strides,
+        dtype,
+        cai["typestr"],
+        bool(readonly),
+        size,
+        size * itemsize,
+        version,
+        mask,
+        stream,
+        obj,
+    )

@@ -1,0 +1,298 @@
+"""Stream and Event: handle wrappers over the backend that made them."""
+
+from __future__ import annotations
+
+import warnings
+
+from ._backend import Backend, current_backend
+from ._errors import CudaWarning
+
+__all__ = ["Event", "Stream", "stream_handle_of"]
+
+_EXPECTED = (
+    "an int stream handle (1 legacy default, 2 per-thread default, or a cudaStream_t), "
+    "an object with __cuda_stream__, or a CuPy, PyTorch, Numba or cuda.core stream"
+)
+
+
+def _checked_handle(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int stream handle, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{what} must be a non-negative stream handle, got {value}")
+    return value
+
+
+def stream_handle_of(obj: object) -> int:
+    """The integer handle of a stream-like object, without importing its library.
+
+    A library's default stream (handle 0 on a CuPy, PyTorch or Numba object)
+    is the legacy default stream, 1. A bare int 0 is refused: it is ambiguous,
+    as the CUDA Array Interface says.
+    """
+    if isinstance(obj, Stream):
+        return obj.handle
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        handle = _checked_handle(obj, "a stream handle")
+        if handle == 0:
+            raise ValueError(
+                "stream handle 0 is ambiguous: use 1 for the legacy default stream, "
+                "2 for the per-thread default stream, or a cudaStream_t"
+            )
+        return handle
+    protocol = getattr(type(obj), "__cuda_stream__", None)
+    if protocol is not None:
+        result = obj.__cuda_stream__()  # type: ignore[attr-defined]
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(
+                f"{type(obj).__name__}.__cuda_stream__() must return (version, handle), "
+                f"got {result!r}"
+            )
+        handle = _checked_handle(result[1], "__cuda_stream__()[1]")
+        return handle or 1
+    module = type(obj).__module__ or ""
+    root = module.partition(".")[0]
+    raw: object
+    if root == "cupy":
+        raw = getattr(obj, "ptr", None)
+    elif root == "torch":
+        raw = getattr(obj, "cuda_stream", None)
+    elif root in ("numba", "numba_cuda") or module.startswith("cuda.bindings"):
+        raw = _int_of(obj)
+    else:
+        raise TypeError(f"cannot use {type(obj).__qualname__} as a stream: expected {_EXPECTED}")
+    if raw is None:
+        raise TypeError(f"{module}.{type(obj).__qualname__} has no stream handle")
+    return _checked_handle(raw, f"the handle of {type(obj).__qualname__}") or 1
+
+
+def _int_of(obj: object) -> int | None:
+    handle = getattr(obj, "handle", obj)
+    value = getattr(handle, "value", handle)  # ctypes.c_void_p
+    if value is None:
+        return 0
+    try:
+        return int(value)  # type: ignore[call-overload, no-any-return]
+    except TypeError:
+        return None
+
+
+class Stream:
+    """A CUDA stream on the backend that was current when it was made.
+
+    ``Stream()`` owns a new non-blocking stream and destroys it on :meth:`close`
+    (or when collected). :meth:`wrap` borrows one that something else owns.
+    Equal and hashed by backend and handle.
+    """
+
+    __slots__ = ("__weakref__", "_backend", "_closed", "_handle", "_keepalive", "_owned")
+
+    def __init__(self) -> None:
+        """Create a new non-blocking stream. Does not block; enqueues nothing."""
+        self._backend: Backend = current_backend()
+        self._handle: int = self._backend.create_stream()
+        self._owned = True
+        self._closed = False
+        self._keepalive: object = None
+
+    @classmethod
+    def wrap(cls, obj: object) -> Stream:
+        """Borrow an existing stream: an int handle, a ``__cuda_stream__`` object,
+        or a CuPy, PyTorch, Numba or cuda.core stream (kept alive by the result).
+
+        Never destroys what it borrows. Does not block.
+        """
+        handle = stream_handle_of(obj)
+        backend = obj._backend if isinstance(obj, Stream) else current_backend()
+        if not backend.is_stream(handle):
+            raise ValueError(f"{handle:#x} is not a stream on the {backend.name!r} backend")
+        self = cls.__new__(cls)
+        self._backend = backend
+        self._handle = handle
+        self._owned = False
+        self._closed = False
+        self._keepalive = obj
+        return self
+
+    @property
+    def handle(self) -> int:
+        """The handle as it goes into a CAI ``stream`` entry."""
+        if self._closed:
+            raise ValueError("this Stream is closed")
+        return self._handle
+
+    @property
+    def backend(self) -> Backend:
+        """The backend this stream belongs to."""
+        return self._backend
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def record(self) -> Event:
+        """A new event capturing the work enqueued on this stream so far.
+
+        Only enqueues GPU work.
+        """
+        return Event._recorded_on(self)
+
+    def wait(self, event_or_stream: Event | Stream) -> None:
+        """Make later work on this stream wait for an event, or for all work
+        enqueued so far on another stream. Only enqueues GPU work; never blocks.
+        """
+        if isinstance(event_or_stream, Stream):
+            if event_or_stream == self:
+                return
+            self._same_backend(event_or_stream._backend)
+            event = event_or_stream.record()
+            try:
+                self._backend.stream_wait_event(self.handle, event.handle)
+            finally:
+                event.close()
+        elif isinstance(event_or_stream, Event):
+            self._same_backend(event_or_stream._backend)
+            self._backend.stream_wait_event(self.handle, event_or_stream.handle)
+        else:
+            raise TypeError(
+                f"Stream.wait() takes an Event or a Stream, got {type(event_or_stream).__name__}"
+            )
+
+    def synchronize(self) -> None:
+        """Block the calling thread until all work on this stream is done.
+
+        Blocks: in async code use ``await stream.record().wait()`` instead.
+        """
+        self._backend.synchronize_stream(self.handle)
+
+    def close(self) -> None:
+        """Destroy an owned stream (work already enqueued still completes).
+
+        Safe to call twice; a borrowed stream is only forgotten. Does not block.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._owned:
+            self._backend.destroy_stream(self._handle)
+        self._keepalive = None
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _same_backend(self, other: Backend) -> None:
+        if other is not self._backend:
+            raise ValueError(
+                f"{self!r} cannot be ordered with work on another backend ({other.name!r})"
+            )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Stream):
+            return NotImplemented
+        return self._backend is other._backend and self._handle == other._handle
+
+    def __hash__(self) -> int:
+        return hash((id(self._backend), self._handle))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("owned" if self._owned else "borrowed")
+        return f"<Stream {self._handle:#x} on {self._backend.name} ({state})>"
+
+    def __del__(self) -> None:
+        if getattr(self, "_owned", False) and not self._closed:
+            self._closed = True
+            try:
+                self._backend.destroy_stream(self._handle)
+            except Exception as exc:  # never raise from a destructor
+                warnings.warn(f"leaked stream {self._handle:#x}: {exc}", CudaWarning, stacklevel=1)
+
+
+class Event:
+    """A point in a stream's work: complete once everything before it ran.
+
+    Made by :meth:`Stream.record`; destroyed by :meth:`close` or when collected
+    (a pending record still completes). Keeps its stream alive.
+    """
+
+    __slots__ = ("__weakref__", "_backend", "_closed", "_handle", "_stream")
+
+    _backend: Backend
+    _closed: bool
+    _handle: int
+    _stream: Stream
+
+    def __init__(self) -> None:
+        raise TypeError("Events are made by Stream.record()")
+
+    @classmethod
+    def _recorded_on(cls, stream: Stream) -> Event:
+        self = cls.__new__(cls)
+        backend = stream._backend
+        self._backend = backend
+        self._closed = True
+        self._stream = stream
+        self._handle = backend.create_event()
+        self._closed = False
+        try:
+            backend.record(self._handle, stream.handle)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    @property
+    def handle(self) -> int:
+        if self._closed:
+            raise ValueError("this Event is closed")
+        return self._handle
+
+    @property
+    def stream(self) -> Stream:
+        """The stream this event was recorded on."""
+        return self._stream
+
+    @property
+    def is_done(self) -> bool:
+        """Whether the work before this event is complete. Never blocks.
+
+        Raises :class:`~cai_streams.CudaError` if that work failed.
+        """
+        return self._backend.query(self.handle)
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the work before this event is done."""
+        self._backend.synchronize_event(self.handle)
+
+    async def wait(self, *, timeout: float | None = None) -> None:
+        """Wait for the work before this event, yielding to the event loop.
+
+        Polls (never blocks the loop); a cancellation point. ``timeout`` in
+        seconds raises :class:`TimeoutError` when it runs out.
+        """
+        from ._poller import wait_for_event
+
+        await wait_for_event(self._backend, self.handle, timeout=timeout, keepalive=self)
+
+    def close(self) -> None:
+        """Destroy the event. Safe to call twice. Does not block."""
+        if self._closed:
+            return
+        self._closed = True
+        self._backend.destroy_event(self._handle)
+
+    def __repr__(self) -> str:
+        return f"<Event {self._handle:#x} on stream {self._stream._handle:#x}>"
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            try:
+                self._backend.destroy_event(self._handle)
+            except Exception as exc:
+                warnings.warn(f"leaked event {self._handle:#x}: {exc}", CudaWarning, stacklevel=1)

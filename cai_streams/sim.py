@@ -1,0 +1,226 @@
+"""The simulated device's public face: device arrays and kernel launches.
+
+Memory lives in host RAM at real, 256-byte aligned addresses. Kernels are
+Python callables that run on a stream's worker thread, in stream order, over
+zero-copy numpy views of device memory. See ``cai_streams._backend._sim`` for
+the ordering rules the device follows and its error rule.
+
+Timing: every kernel sleeps its ``duration`` plus a random jitter drawn from a
+per-stream sequence seeded by ``CAI_STREAMS_SIM_SEED`` (random when unset; read
+it back from ``device().seed``). ``CAI_STREAMS_SIM_JITTER`` sets the jitter's upper
+bound in seconds (default 0.0005); raise it, or call ``device().jitter = 0.005``,
+to make ordering bugs show up more often as wrong data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
+
+from ._backend import _instance
+from ._backend._sim import SimBackend
+from ._stream import Stream, stream_handle_of
+
+__all__ = ["SimArray", "asarray", "device", "empty", "launch"]
+
+
+def device() -> SimBackend:
+    """The simulated device (it exists whatever the current backend is)."""
+    backend = _instance("sim")
+    assert isinstance(backend, SimBackend)
+    return backend
+
+
+class SimArray:
+    """An array in simulated device memory, exporting the CUDA Array Interface.
+
+    Like a Numba device array, it has a default ``stream`` (None unless set),
+    which it exports as the CAI ``stream`` entry.
+    """
+
+    __slots__ = ("__weakref__", "_view", "stream")
+
+    def __init__(self, view: np.ndarray[Any, Any], stream: int | None = None) -> None:
+        """Wrap a numpy view of device memory (use :func:`empty` or :func:`asarray`)."""
+        self._view = view
+        #: the stream exported in the CAI ``stream`` entry, or None
+        self.stream = stream
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._view.shape)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        dtype: np.dtype[Any] = self._view.dtype
+        return dtype
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return tuple(self._view.strides)
+
+    @property
+    def size(self) -> int:
+        return int(self._view.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._view.nbytes)
+
+    @property
+    def ndim(self) -> int:
+        return int(self._view.ndim)
+
+    @property
+    def ptr(self) -> int:
+        """The device address of the first element (0 for a zero-size array)."""
+        return int(self._view.ctypes.data) if self._view.size else 0
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def __getitem__(self, key: Any) -> SimArray:
+        """A view of part of this array, sharing its memory (no device work)."""
+        index = key if isinstance(key, tuple) else (key,)
+        sub: np.ndarray[Any, Any] = self._view[index + (Ellipsis,)]  # always a view
+        return SimArray(sub, self.stream)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        view = self._view
+        return {
+            "shape": tuple(view.shape),
+            "typestr": view.dtype.str,
+            "data": (self.ptr, False),
+            "strides": None if view.flags.c_contiguous else tuple(view.strides),
+            "version": 3,
+            "stream": self.stream,
+        }
+
+    def to_host(self, stream: Stream | int | None = None) -> np.ndarray[Any, Any]:
+        """Copy to a new numpy array: enqueued on ``stream`` (the legacy default
+        stream when None, like ``cudaMemcpy``), then waited for. Blocks.
+        """
+        handle = 1 if stream is None else stream_handle_of(stream)
+        out = np.empty(self.shape, self.dtype)
+        src = self._view
+
+        def copy() -> None:
+            np.copyto(out, src)
+
+        backend = device()
+        backend.launch(handle, copy, "to_host", 0.0)
+        backend.synchronize_stream(handle)
+        return out
+
+    def __repr__(self) -> str:
+        return f"<SimArray shape={self.shape} dtype={self.dtype} ptr={self.ptr:#x}>"
+
+
+def empty(shape: int | Iterable[int], dtype: DTypeLike = "float32") -> SimArray:
+    """A new device array; its contents are undefined, as in CUDA. Does not block."""
+    if isinstance(shape, int):
+        shape_t: tuple[object, ...] = (shape,)
+    elif isinstance(shape, Iterable):
+        shape_t = tuple(shape)
+    else:
+        raise TypeError(f"shape must be an int or a tuple of ints, got {type(shape).__name__}")
+    for n in shape_t:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"shape must be non-negative ints, got {shape!r}")
+    dims = tuple(int(n) for n in shape_t)  # type: ignore[call-overload]
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+    _, block = device().memory.allocate(nbytes)
+    view = block.view(dt).reshape(dims) if nbytes else np.empty(dims, dt)
+    # Undefined contents: fill with a pattern so code that reads before writing
+    # sees garbage, as it would on a GPU, rather than convenient zeros.
+    if nbytes:
+        block[:] = 0xCD
+    return SimArray(view)
+
+
+def asarray(array: ArrayLike, dtype: DTypeLike | None = None) -> SimArray:
+    """Copy host data to a new device array. Blocks until the data is there."""
+    host = np.asarray(array, dtype=dtype)
+    out = empty(host.shape, host.dtype)
+    np.copyto(out._view, host)
+    return out
+
+
+def _numpy_view(obj: object) -> np.ndarray[Any, Any] | None:
+    """The numpy view of device memory behind ``obj``, or None if not an array."""
+    if isinstance(obj, SimArray):
+        return obj._view
+    from ._interface import ArrayView, parse
+
+    if isinstance(obj, ArrayView):
+        view = obj
+    else:
+        inner = getattr(obj, "_cai_streams_array", None)
+        if inner is not None:
+            return _numpy_view(inner)
+        if not hasattr(obj, "__cuda_array_interface__"):
+            return None
+        view = parse(obj)
+    if view.nbytes == 0:
+        return np.empty(view.shape, view.dtype)
+    low = view.ptr + sum(min(0, (n - 1) * s) for n, s in zip(view.shape, view.strides, strict=True))
+    high = view.ptr + sum(
+        max(0, (n - 1) * s) for n, s in zip(view.shape, view.strides, strict=True)
+    )
+    found = device().memory.find(low, high - low + view.dtype.itemsize)
+    if found is None:
+        raise ValueError(f"{type(obj).__name__} at {view.ptr:#x} is not in simulated device memory")
+    block, offset = found
+    out: np.ndarray[Any, Any] = np.ndarray(
+        view.shape, view.dtype, buffer=block, offset=offset + view.ptr - low, strides=view.strides
+    )
+    return out
+
+
+def launch(
+    stream: Stream | int | object,
+    fn: Callable[..., object],
+    *args: object,
+    reads: Iterable[object] = (),
+    writes: Iterable[object] = (),
+    duration: float | None = None,
+    name: str | None = None,
+) -> None:
+    """Enqueue ``fn(*args)`` on ``stream``. Only enqueues; never blocks.
+
+    Array arguments (anything in simulated device memory exposing the CUDA Array
+    Interface) reach ``fn`` as numpy views of device memory. ``reads`` and
+    ``writes`` declare the arrays the kernel accesses, for the sanitizer.
+    ``duration`` (seconds) is how long the kernel takes, before jitter.
+    """
+    if not callable(fn):
+        raise TypeError(f"launch() needs a callable kernel, got {type(fn).__name__}")
+    if duration is not None and not duration >= 0:
+        raise ValueError(f"duration must be a non-negative number of seconds, got {duration}")
+    backend = device()
+    if isinstance(stream, Stream) and stream.backend is not backend:
+        raise ValueError(f"{stream!r} is not a simulated stream")
+    handle = stream_handle_of(stream)
+    if not backend.is_stream(handle):
+        raise ValueError(f"{handle:#x} is not a stream of the simulated device")
+    resolved = tuple(_kernel_arg(a) for a in args)
+    declared = (*reads, *writes)
+    for arr in declared:
+        if _numpy_view(arr) is None:
+            raise TypeError(f"reads= and writes= take device arrays, got {type(arr).__name__}")
+
+    def kernel() -> None:
+        fn(*resolved)
+
+    label = name if name is not None else str(getattr(fn, "__name__", repr(fn)))
+    backend.launch(handle, kernel, label, duration or 0.0)
+
+
+def _kernel_arg(arg: object) -> object:
+    view = _numpy_view(arg)
+    return arg if view is None else view

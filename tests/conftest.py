@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import cai_streams as cs
+from cai_streams._backend import _backend_class
+
+from .device_ops import DeviceOps, ops_for
+
+_CUDA_REASON = _backend_class("cuda").unavailable_reason()
+_FORCED = os.environ.get("CAI_STREAMS_BACKEND")
+
+
+def _backend_params() -> list[Any]:
+    names = [_FORCED] if _FORCED in ("sim", "cuda") else ["sim", "cuda"]
+    marks = {"cuda": [pytest.mark.skipif(_CUDA_REASON is not None, reason=f"cuda: {_CUDA_REASON}")]}
+    return [pytest.param(n, marks=marks.get(n, [])) for n in names]
+
+
+@pytest.fixture(params=_backend_params())
+def backend(request: pytest.FixtureRequest) -> Iterator[cs.Backend]:
+    """Each test using it runs on sim, and on cuda when a device is usable."""
+    previous = cs.current_backend()
+    chosen = cs.use_backend(request.param)
+    try:
+        yield chosen
+    finally:
+        cs.use_backend(previous.name)
+
+
+@pytest.fixture
+def ops(backend: cs.Backend) -> DeviceOps:
+    return ops_for(backend.name)
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
