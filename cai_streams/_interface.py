@@ -194,9 +194,9 @@ def v3_dict(view: ArrayView) -> dict[str, Any]:
         "shape": view.shape,
         "typestr": view.typestr,
         "data": (view.ptr if view.size else 0, view.readonly),
-        "strides": None
-        if is_c_contiguous(view.shape, view.strides, dtype.itemsize)
-        else view.strides,
+        # None only for exactly the strides a reader would compute, so that
+        # parse(export(view)) gives back the same strides.
+        "strides": None if view.strides == c_strides(view.shape, dtype.itemsize) else view.strides,
         "version": _LATEST,
         "stream": view.stream or None,
     }
@@ -254,7 +254,7 @@ def _dtype(typestr: object, descr: object) -> np.dtype[Any]:
         )
     try:
         dtype = np.dtype(typestr)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise _bad("typestr", typestr, f"a type numpy understands ({exc})") from None
     if descr is not None and descr != [("", typestr)]:
         try:
@@ -324,7 +324,7 @@ def parse(obj: object) -> ArrayView:
         raise _bad("data", data, "a non-negative int pointer as its first element")
     if not isinstance(readonly, (bool, np.bool_)):
         raise _bad("data", data, "a bool read-only flag as its second element")
-    ptr = int(ptr)
+    ptr = int(ptr) if size else 0  # a zero-size array has no data to point at
     if ptr == 0 and size:
         raise _bad("data", data, f"a non-null pointer for a non-empty array of shape {shape}")
 

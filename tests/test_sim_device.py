@@ -185,3 +185,25 @@ def test_interpreter_exits_cleanly_with_work_in_flight() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "bye" and out.stderr == ""
+
+
+def test_destructors_running_under_the_backend_lock_do_not_deadlock() -> None:
+    """A garbage collection can run Stream/Event destructors on a thread that
+    already holds the backend's lock (it happened inside create_stream)."""
+    import gc
+    import threading
+
+    backend = sim.device()
+
+    def collect_under_lock() -> None:
+        s = cs.Stream()
+        cycle: list[object] = [s.record(), s]
+        cycle.append(cycle)  # only the cycle collector frees these
+        del s, cycle
+        with backend._lock, backend.memory._lock:
+            gc.collect()
+
+    worker = threading.Thread(target=collect_under_lock, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "a destructor deadlocked on the backend lock"

@@ -162,7 +162,9 @@ class _Allocations:
     """Device memory: host buffers found again by pointer."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: the weakref callback that frees a block can run from a
+        # garbage collection triggered while this very thread holds the lock.
+        self._lock = threading.RLock()
         self._starts: list[int] = []
         self._blocks: dict[int, tuple[int, weakref.ref[np.ndarray[Any, Any]]]] = {}
 
@@ -219,7 +221,9 @@ class SimBackend(Backend):
         self.jitter: float = float(jitter)
         self.closing = False
         self.memory = _Allocations()
-        self._lock = threading.Lock()
+        # Re-entrant: Stream/Event destructors call back into the backend and can
+        # run from a garbage collection on a thread that already holds the lock.
+        self._lock = threading.RLock()
         self._handles = itertools.count(0x7F00_0000_1000, 0x200)
         self._ordinals = itertools.count()
         self._streams: dict[int, _SimStream] = {}
@@ -264,8 +268,9 @@ class SimBackend(Backend):
 
     def create_stream(self) -> int:
         handle = next(self._handles)
+        stream = self._new_stream(handle, blocking=False)  # starts a thread: not under the lock
         with self._lock:
-            self._streams[handle] = self._new_stream(handle, blocking=False)
+            self._streams[handle] = stream
         return handle
 
     def destroy_stream(self, stream: int) -> None:
@@ -348,8 +353,12 @@ class SimBackend(Backend):
     def close(self) -> None:
         """Stop every worker after it drains its FIFO (bounded wait)."""
         self.closing = True
-        with self._lock:
+        locked = self._lock.acquire(timeout=2.0)  # bounded even if a thread is stuck
+        try:
             streams = [self._legacy, *self._streams.values(), *self._all_per_thread]
+        finally:
+            if locked:
+                self._lock.release()
         for stream in streams:
             stream.close()
         deadline = time.monotonic() + 2.0
