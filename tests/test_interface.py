@@ -191,7 +191,7 @@ def test_export_is_v3_and_normalized() -> None:
 def test_view_is_frozen_and_export_is_a_copy() -> None:
     view = parse(Exports(cai()))
     with pytest.raises(AttributeError, match="frozen"):
-        view.ptr = 0  # type: ignore[misc]
+        view.ptr = 0
     first = view.__cuda_array_interface__
     first["stream"] = 99
     assert view.__cuda_array_interface__["stream"] is None
