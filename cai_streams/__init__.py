@@ -11,6 +11,7 @@ from . import sim as sim
 from ._backend import Backend as Backend
 from ._backend import current_backend as current_backend
 from ._backend import use_backend as use_backend
+from ._config import configure as configure
 from ._errors import CaiStreamsError as CaiStreamsError
 from ._errors import CudaError as CudaError
 from ._errors import CudaWarning as CudaWarning
@@ -19,6 +20,10 @@ from ._errors import InterfaceError as InterfaceError
 from ._errors import KernelError as KernelError
 from ._interface import ArrayView as ArrayView
 from ._interface import parse as read_interface
+from ._scheduler import TrackedArray as TrackedArray
+from ._scheduler import export as export
+from ._scheduler import stats as stats
+from ._scheduler import track as track
 from ._stream import Event as Event
 from ._stream import Stream as Stream
 
@@ -33,9 +38,14 @@ __all__ = (
     "InterfaceError",
     "KernelError",
     "Stream",
+    "TrackedArray",
+    "configure",
     "current_backend",
+    "export",
     "read_interface",
     "sim",
+    "stats",
+    "track",
     "use_backend",
 )
 

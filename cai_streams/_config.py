@@ -1,0 +1,45 @@
+"""Process-wide switches, read from the environment at import.
+
+``CAI_STREAMS_SYNC=0``: consumers ignore the producer's stream (the spec's
+consumer opt-out). ``CAI_STREAMS_EXPORT_STREAM=0``: producers export
+``stream: None`` and join nothing (the spec's producer opt-out): the user then
+owns all synchronization. Both are on by default, as the spec requires.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["configure", "settings"]
+
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: expected 0 or 1")
+
+
+class _Settings:
+    __slots__ = ("export_stream", "sync")
+
+    def __init__(self) -> None:
+        self.sync = _flag("CAI_STREAMS_SYNC")
+        self.export_stream = _flag("CAI_STREAMS_EXPORT_STREAM")
+
+
+settings = _Settings()
+
+
+def configure(*, sync: bool | None = None, export_stream: bool | None = None) -> None:
+    """Change the process-wide defaults that ``CAI_STREAMS_SYNC`` and
+    ``CAI_STREAMS_EXPORT_STREAM`` set. Turning either off makes you responsible
+    for synchronization, as the CUDA Array Interface says. Does not block.
+    """
+    for name, value in (("sync", sync), ("export_stream", export_stream)):
+        if value is not None:
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+            setattr(settings, name, value)

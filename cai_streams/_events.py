@@ -1,0 +1,85 @@
+"""A pool of timing-free events, reused only once complete."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import deque
+from typing import Final
+
+from ._backend import Backend
+from ._errors import CudaError, CudaWarning
+
+__all__ = ["EventPool"]
+
+#: free events kept for reuse; beyond this they are destroyed
+MAX_FREE: Final = 1024
+
+
+class EventPool:
+    """Events handed out for pending work and taken back when released.
+
+    A released event returns to the free list only once it is complete, so no
+    stream wait can still be reading it; until then it is held (with its
+    stream) and reclaimed later. Growth is bounded by the work in flight.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._lock = threading.RLock()
+        self._free: list[int] = []
+        self._draining: deque[tuple[int, object]] = deque()
+        self.created = 0
+        self.destroyed = 0
+
+    def acquire(self) -> int:
+        with self._lock:
+            self._reclaim(limit=4)
+            if self._free:
+                return self._free.pop()
+            self.created += 1
+        return self._backend.create_event()
+
+    def release(self, event: int, keepalive: object = None) -> None:
+        """Give ``event`` back; ``keepalive`` (its stream) is held until it completes."""
+        with self._lock:
+            self._draining.append((event, keepalive))
+            self._reclaim(limit=2)
+
+    def reclaim(self) -> None:
+        """Move every completed released event to the free list."""
+        with self._lock:
+            self._reclaim(limit=len(self._draining))
+
+    def _reclaim(self, limit: int) -> None:
+        for _ in range(min(limit, len(self._draining))):
+            event, keepalive = self._draining[0]
+            try:
+                done = self._backend.query(event)
+            except CudaError:
+                done = None  # its work failed: never reuse it
+            if done is False:
+                self._draining.rotate(-1)
+                continue
+            self._draining.popleft()
+            del keepalive
+            if done and len(self._free) < MAX_FREE:
+                self._free.append(event)
+            else:
+                self._destroy(event)
+
+    def _destroy(self, event: int) -> None:
+        self.destroyed += 1
+        try:
+            self._backend.destroy_event(event)
+        except CudaError as exc:
+            warnings.warn(f"leaked event {event:#x}: {exc}", CudaWarning, stacklevel=3)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def in_flight(self) -> int:
+        """Events handed out or released but not yet complete."""
+        return self.created - self.destroyed - len(self._free)

@@ -1,0 +1,328 @@
+"""The scheduler on the simulated device: joins, write-after-read, threads, lifetime."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams import sim
+
+from .device_ops import SimOps
+
+N = 3 * 512
+
+
+@pytest.fixture(autouse=True)
+def _sim() -> Iterator[None]:
+    cs.use_backend("sim")
+    yield
+    cs.configure(export_stream=True, sync=True)
+
+
+def _fill(x: np.ndarray[Any, Any], value: float) -> None:
+    x[...] = value
+
+
+def _sum(out: np.ndarray[Any, Any], x: np.ndarray[Any, Any]) -> None:
+    out[0] = x.sum()
+
+
+def _consumer_sum(producer: Any, data: sim.SimArray, own: cs.Stream) -> sim.SimArray:
+    """A consumer that knows only the interface: it enqueues on the exported
+    stream when there is one, else on its own stream."""
+    cai = producer.__cuda_array_interface__
+    out = sim.empty(1, "float64")
+    stream = cai["stream"] if cai["stream"] is not None else own.handle
+    sim.launch(stream, _sum, out, data, reads=[data], writes=[out])
+    return out
+
+
+def _spec_scenario(reps: int) -> int:
+    """Streams '7', '9', '15' write disjoint thirds; export onto '3'; sum there."""
+    writers = [cs.Stream() for _ in range(3)]
+    three = cs.Stream()
+    wrong = 0
+    for rep in range(reps):
+        data = sim.empty(N, "float64")
+        t = cs.track(data, stream=three)
+        for i, s in enumerate(writers):
+            with t.writing(s, disjoint=True):
+                part = data[i * N // 3 : (i + 1) * N // 3]
+                sim.launch(s, _fill, part, float(rep + 1), writes=[part], duration=0.001)
+        out = _consumer_sum(t, data, own=three)
+        wrong += int(out.to_host(stream=three)[0] != N * (rep + 1))
+    return wrong
+
+
+def test_spec_example_7_9_15_joined_onto_3_always_sums_right() -> None:
+    before = cs.stats()
+    assert _spec_scenario(reps=60) == 0
+    after = cs.stats()
+    assert after["joins"] - before["joins"] == 3 * 60
+
+
+def test_spec_example_without_the_join_goes_wrong() -> None:
+    """The control: the same program with the join disabled reads unfinished thirds."""
+    cs.configure(export_stream=False)
+    assert _spec_scenario(reps=30) > 0
+
+
+def test_overlapping_writers_are_serialized_by_default() -> None:
+    """Without disjoint=True, a second writer waits for the first (write after write)."""
+    ops = SimOps()
+    a, b = cs.Stream(), cs.Stream()
+    t = cs.track(sim.empty(8, "float64"))
+    latch = ops.latch(a)
+    with t.writing(a):
+        ops.fill(a, t.array, 1.0)
+    with t.writing(b):
+        ops.fill(b, t.array, 2.0)
+    assert not b.record().is_done
+    latch.release()
+    b.synchronize()
+    np.testing.assert_array_equal(t.array.to_host(stream=b), 2.0)
+
+
+def test_no_pending_work_exports_no_stream() -> None:
+    t = cs.track(sim.empty(4))
+    assert t.__cuda_array_interface__["stream"] is None
+    assert t.__cuda_array_interface__ == sim.empty(4).__cuda_array_interface__ | {
+        "data": (t.array.ptr, False)
+    }
+
+
+def test_pending_work_only_on_the_export_stream_needs_no_event() -> None:
+    s = cs.Stream()
+    t = cs.track(sim.empty(4), stream=s)
+    with t.writing(s):
+        SimOps().fill(s, t.array, 1.0)
+    before = cs.stats()
+    assert t.__cuda_array_interface__["stream"] == s.handle
+    after = cs.stats()
+    assert after["joins"] == before["joins"]
+    assert after["events_created"] == before["events_created"]
+
+
+def test_export_twice_adds_no_event_and_no_wait() -> None:
+    a, x = cs.Stream(), cs.Stream()
+    t = cs.track(sim.empty(8), stream=x)
+    ops = SimOps()
+    latch = ops.latch(a)  # keep the work pending so nothing is elided
+    with t.writing(a):
+        ops.fill(a, t.array, 2.0)
+    first = cs.export(t, stream=x)
+    middle = cs.stats()
+    second = cs.export(t.array, stream=x)  # via the tracked object itself
+    after = cs.stats()
+    latch.release()
+    assert first["stream"] == second["stream"] == x.handle
+    assert after["joins"] == middle["joins"]
+    assert after["events_created"] == middle["events_created"]
+
+
+def test_completed_work_is_elided_not_waited_on() -> None:
+    a, x = cs.Stream(), cs.Stream()
+    t = cs.track(sim.empty(8), stream=x)
+    with t.writing(a):
+        SimOps().fill(a, t.array, 2.0)
+    a.synchronize()
+    before = cs.stats()
+    assert t.__cuda_array_interface__["stream"] is None
+    assert cs.stats()["waits_elided"] == before["waits_elided"] + 1
+
+
+def test_export_of_an_untracked_object_joins_its_stream() -> None:
+    ops = SimOps()
+    producer, x = cs.Stream(), cs.Stream()
+    data = sim.empty(64, "float64")
+    data.stream = producer.handle  # like a Numba array with a default stream
+    latch = ops.latch(producer)
+    ops.fill(producer, data, 5.0)
+    cai = cs.export(data, stream=x)
+    assert cai["stream"] == x.handle
+    out = sim.empty(1, "float64")
+    sim.launch(x, _sum, out, data)
+    done = x.record()
+    assert not done.is_done  # x waits behind the producer's latch
+    latch.release()
+    assert out.to_host(stream=x)[0] == 64 * 5.0
+    data.stream = None
+    assert cs.export(data, stream=x)["stream"] is None
+
+
+def test_export_stream_opt_out_exports_none_and_joins_nothing() -> None:
+    s = cs.Stream()
+    t = cs.track(sim.empty(4))
+    with t.writing(s):
+        SimOps().fill(s, t.array, 1.0, duration=0.01)
+    cs.configure(export_stream=False)
+    before = cs.stats()
+    assert t.__cuda_array_interface__["stream"] is None
+    assert cs.stats()["joins"] == before["joins"]
+
+
+def test_write_after_read_on_a_ring_of_two_buffers() -> None:
+    """A producer refills ring buffers while a slow reader copies them out: the
+    reader always sees the value written for its round."""
+    producer, reader = cs.Stream(), cs.Stream()
+    ring = [cs.track(sim.empty(256, "float64")) for _ in range(2)]
+    rounds = 40
+    outs = [sim.empty(256, "float64") for _ in range(rounds)]
+    ops = SimOps()
+    for k in range(rounds):
+        t = ring[k % 2]
+        with t.writing(producer):
+            ops.fill(producer, t.array, float(k))
+        with t.reading(reader):
+            ops.copy(reader, outs[k], t.array, duration=0.002)
+    reader.synchronize()
+    for k, out in enumerate(outs):
+        np.testing.assert_array_equal(out.to_host(), float(k))
+
+
+def test_without_read_tracking_the_buffer_is_overwritten_under_the_reader() -> None:
+    """The control: the reader's access left undeclared, the refill overtakes it."""
+    producer, reader = cs.Stream(), cs.Stream()
+    ops = SimOps()
+    t = cs.track(sim.empty(16, "float64"))
+    out = sim.empty(16, "float64")
+    with t.writing(producer):
+        ops.fill(producer, t.array, 1.0)
+    reader.wait(producer.record())  # read ordered after the write, but not tracked
+    latch = ops.latch(reader)
+    ops.copy(reader, out, t.array)
+    with t.writing(producer):
+        ops.fill(producer, t.array, 2.0)
+    producer.synchronize()
+    latch.release()
+    reader.synchronize()
+    np.testing.assert_array_equal(out.to_host(), 2.0)  # the reader saw the refill
+
+
+def _increment(x: np.ndarray[Any, Any]) -> None:
+    value = x.copy()
+    time.sleep(0)  # let an unordered writer interleave
+    x[...] = value + 1
+
+
+def test_four_threads_a_thousand_write_export_cycles() -> None:
+    shared = [cs.track(sim.asarray(np.zeros(8))) for _ in range(2)]
+    errors: list[BaseException] = []
+    cycles = 1000
+
+    def worker(seed: int) -> None:
+        try:
+            s = cs.Stream()
+            rng = np.random.default_rng(seed)
+            for _ in range(cycles):
+                t = shared[int(rng.integers(2))]
+                with t.writing(s):
+                    sim.launch(s, _increment, t.array, reads=[t], writes=[t])
+                cai = t.export(s)
+                assert cai["stream"] in (None, s.handle)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    sim.device().jitter, saved = 0.0, sim.device().jitter
+    try:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+    finally:
+        sim.device().jitter = saved
+    assert not errors, errors
+    total = 0.0
+    for t in shared:
+        with t.reading(1):
+            pass
+        total += float(t.array.to_host()[0])
+    assert total == 4 * cycles
+
+
+def test_track_is_idempotent_and_checks_the_export_stream() -> None:
+    data = sim.empty(4)
+    s = cs.Stream()
+    t = cs.track(data, stream=s)
+    assert cs.track(data) is t and cs.track(t) is t and t.array is data
+    with pytest.raises(ValueError, match="already tracked"):
+        cs.track(data, stream=cs.Stream())
+    with pytest.raises(TypeError):
+        cs.track(np.zeros(3))
+    with pytest.raises(TypeError, match="use cai_streams.track"):
+        cs.TrackedArray()
+
+
+def test_tracking_starts_with_the_objects_own_stream_pending() -> None:
+    ops = SimOps()
+    producer, x = cs.Stream(), cs.Stream()
+    data = sim.empty(4)
+    data.stream = producer.handle
+    latch = ops.latch(producer)
+    t = cs.track(data, stream=x)
+    assert t.pending_streams()["writes"] == [producer.handle]
+    assert t.__cuda_array_interface__["stream"] == x.handle
+    assert not x.record().is_done
+    latch.release()
+
+
+def test_nothing_is_left_behind_when_references_go() -> None:
+    s = cs.Stream()
+    gc.collect()
+    baseline = cs.stats()
+    ops = SimOps()
+    for _ in range(50):
+        t = cs.track(sim.empty(32), stream=cs.Stream())
+        with t.writing(s):
+            ops.fill(s, t.array, 1.0)
+        t.export()
+        with t.reading(s):
+            pass
+        del t
+    s.synchronize()
+    gc.collect()
+    after = cs.stats()
+    assert after["tracked"] == baseline["tracked"]
+    assert after["events_in_flight"] == baseline["events_in_flight"]
+    assert after["events_created"] - baseline["events_created"] <= 8  # the pool reuses
+
+
+def test_tracked_array_keeps_its_stream_and_array_alive() -> None:
+    import weakref
+
+    data = sim.empty(4)
+    s = cs.Stream()
+    t = cs.track(data, stream=s)
+    refs: list[weakref.ref[Any]] = [weakref.ref(data), weakref.ref(s)]
+    del data, s
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    del t
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_writing_rejects_streams_of_another_backend() -> None:
+    t = cs.track(sim.empty(4))
+    with pytest.raises((TypeError, ValueError)):
+        with t.writing("nope"):
+            pass
+
+
+def test_nested_blocks_on_one_array_in_one_thread_are_refused() -> None:
+    t = cs.track(sim.empty(4))
+    s = cs.Stream()
+    with t.writing(s):
+        with pytest.raises(RuntimeError, match="inside another writing"):
+            with t.reading(s):
+                pass
+    with t.reading(s):  # the array is usable again afterwards
+        pass
