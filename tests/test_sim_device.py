@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -81,6 +82,30 @@ def test_launch_rejects_bad_input() -> None:
         sim.launch(0x999, print)
     with pytest.raises(ValueError, match="not in simulated device memory"):
         sim.launch(s, print, cs.read_interface(_ForeignArray()))
+
+
+def test_memory_is_found_by_pointer_while_the_array_lives() -> None:
+    """A kernel argument that is only an interface (a view, another library's
+    object) reaches the same memory, as long as the array that owns it lives."""
+    a = sim.asarray(np.arange(64, dtype="float32"))
+    s = cs.Stream()
+
+    def double(x: np.ndarray[Any, Any]) -> None:
+        x *= 2
+
+    part = cs.read_interface(a[8:16])
+    sim.launch(s, double, part, writes=[part])
+    s.synchronize()
+    expected = np.arange(64, dtype="float32")
+    expected[8:16] *= 2
+    assert (a.to_host() == expected).all()
+    stale = {"shape": (64,), "typestr": "<f4", "data": (a.ptr, False), "version": 3}
+    del a, part
+    gc.collect()
+    with pytest.raises(ValueError, match="not in simulated device memory"):
+        sim.launch(
+            s, double, cs.read_interface(type("Freed", (), {"__cuda_array_interface__": stale})())
+        )
 
 
 class _ForeignArray:

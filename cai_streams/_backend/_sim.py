@@ -175,9 +175,11 @@ class _Allocations:
         offset = (-raw.ctypes.data) % _ALIGN
         block = raw[offset : offset + nbytes]
         ptr = int(block.ctypes.data)
+        # Every numpy view of ``block`` has ``raw`` as its base (numpy collapses
+        # view chains), so ``raw`` is what lives exactly as long as the arrays.
         with self._lock:
             bisect.insort(self._starts, ptr)
-            self._blocks[ptr] = (nbytes, weakref.ref(block, lambda _r: self._free(ptr)))
+            self._blocks[ptr] = (nbytes, weakref.ref(raw, lambda _r: self._free(ptr)))
         return ptr, block
 
     def _free(self, ptr: int) -> None:
@@ -193,10 +195,11 @@ class _Allocations:
                 return None
             start = self._starts[i]
             size, ref = self._blocks[start]
-            block = ref()
-        if block is None or ptr + nbytes > start + size:
+            raw = ref()
+        if raw is None or ptr + nbytes > start + size:
             return None
-        return block, ptr - start
+        offset = start - int(raw.ctypes.data)
+        return raw[offset : offset + size], ptr - start
 
 
 class SimBackend(Backend):
