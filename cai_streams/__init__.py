@@ -12,6 +12,10 @@ from ._backend import Backend as Backend
 from ._backend import current_backend as current_backend
 from ._backend import use_backend as use_backend
 from ._config import configure as configure
+from ._consume import consume as consume
+from ._consume import consume_all as consume_all
+from ._consume import consume_blocking as consume_blocking
+from ._consume import consuming as consuming
 from ._errors import CaiStreamsError as CaiStreamsError
 from ._errors import CudaError as CudaError
 from ._errors import CudaWarning as CudaWarning
@@ -20,6 +24,7 @@ from ._errors import InterfaceError as InterfaceError
 from ._errors import KernelError as KernelError
 from ._interface import ArrayView as ArrayView
 from ._interface import parse as read_interface
+from ._poller import PollPolicy as PollPolicy
 from ._scheduler import TrackedArray as TrackedArray
 from ._scheduler import export as export
 from ._scheduler import stats as stats
@@ -37,9 +42,14 @@ __all__ = (
     "HazardError",
     "InterfaceError",
     "KernelError",
+    "PollPolicy",
     "Stream",
     "TrackedArray",
     "configure",
+    "consume",
+    "consume_all",
+    "consume_blocking",
+    "consuming",
     "current_backend",
     "export",
     "read_interface",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from ._poller import PollPolicy, set_poll_policy
+
 __all__ = ["configure", "settings"]
 
 
@@ -33,11 +35,19 @@ class _Settings:
 settings = _Settings()
 
 
-def configure(*, sync: bool | None = None, export_stream: bool | None = None) -> None:
-    """Change the process-wide defaults that ``CAI_STREAMS_SYNC`` and
-    ``CAI_STREAMS_EXPORT_STREAM`` set. Turning either off makes you responsible
-    for synchronization, as the CUDA Array Interface says. Does not block.
+def configure(
+    *, sync: bool | None = None, export_stream: bool | None = None, poll: PollPolicy | None = None
+) -> None:
+    """Change process-wide defaults; None leaves a setting as it is. Does not block.
+
+    ``sync`` and ``export_stream`` are what ``CAI_STREAMS_SYNC`` and
+    ``CAI_STREAMS_EXPORT_STREAM`` set: turning either off makes you responsible
+    for synchronization, as the CUDA Array Interface says. ``poll`` is the
+    :class:`PollPolicy` of the shared poller behind ``await consume()``, for
+    example ``PollPolicy.low_latency()``.
     """
+    if poll is not None:
+        set_poll_policy(poll)
     for name, value in (("sync", sync), ("export_stream", export_stream)):
         if value is not None:
             if not isinstance(value, bool):

@@ -1,16 +1,41 @@
-"""A pool of timing-free events, reused only once complete."""
+"""A pool of timing-free events, reused only once complete; record order marks."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 from collections import deque
-from typing import Final
+from collections.abc import Hashable
+from typing import Final, NamedTuple
 
 from ._backend import Backend
 from ._errors import CudaError, CudaWarning
 
-__all__ = ["EventPool"]
+__all__ = ["EventPool", "Mark", "record"]
+
+_order = itertools.count()
+
+
+class Mark(NamedTuple):
+    """Where a record landed: the stream it went to and its place in record order.
+
+    Events recorded on one stream complete in the order they were recorded
+    (a stream is a FIFO), so a poller that finds one not done need not query
+    the later ones. ``key`` tells streams apart: the per-thread default stream
+    (2) is a different stream in each host thread.
+    """
+
+    key: Hashable
+    seq: int
+
+
+def record(backend: Backend, event: int, stream: int) -> Mark:
+    """Record ``event`` on ``stream`` and return its :class:`Mark`. Only enqueues."""
+    backend.record(event, stream)
+    key: Hashable = (stream, threading.get_ident()) if stream == 2 else stream
+    return Mark(key, next(_order))
+
 
 #: free events kept for reuse; beyond this they are destroyed
 MAX_FREE: Final = 1024
@@ -29,6 +54,7 @@ class EventPool:
         self._lock = threading.RLock()
         self._free: list[int] = []
         self._draining: deque[tuple[int, object]] = deque()
+        self._pins: dict[int, int] = {}
         self.created = 0
         self.destroyed = 0
 
@@ -46,6 +72,17 @@ class EventPool:
             self._draining.append((event, keepalive))
             self._reclaim(limit=2)
 
+    def pin(self, event: int) -> None:
+        """Keep ``event`` from reuse while a waiter reads it, even once released."""
+        with self._lock:
+            self._pins[event] = self._pins.get(event, 0) + 1
+
+    def unpin(self, event: int) -> None:
+        with self._lock:
+            count = self._pins.pop(event) - 1
+            if count:
+                self._pins[event] = count
+
     def reclaim(self) -> None:
         """Move every completed released event to the free list."""
         with self._lock:
@@ -55,7 +92,7 @@ class EventPool:
         for _ in range(min(limit, len(self._draining))):
             event, keepalive = self._draining[0]
             try:
-                done = self._backend.query(event)
+                done = event not in self._pins and self._backend.query(event)
             except CudaError:
                 done = None  # its work failed: never reuse it
             if done is False:

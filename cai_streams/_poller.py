@@ -1,26 +1,327 @@
-"""Waiting for events from an event loop without blocking it."""
+"""One poll loop per event loop: waiting for GPU events without blocking the loop.
+
+Why polling: a CUDA host callback runs Python on a driver thread, which stalls
+the stream and can deadlock against the GIL (numba-cuda #317). A query is a
+short, non-blocking driver call, so the event loop can afford to make it.
+
+How: every waiter registers its event with the poller of its event loop (an
+``anyio.lowlevel.RunVar``, so asyncio, uvloop and trio each get their own) and
+sleeps on a wake-up. The poller is a system task that starts with the first
+waiter and ends with the last; the caller needs no thread and no task group.
+Each pass queries every pending event once, with one shortcut: events recorded
+on one stream complete in record order, so after finding one not done the pass
+skips the later ones on that stream. Thousands of waiters on a few streams
+cost a few queries per pass.
+
+Between passes the poller sleeps according to :class:`PollPolicy`.
+"""
 
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
 
 import anyio
+import anyio.lowlevel
 
 from ._backend import Backend
+from ._errors import CudaError
+from ._events import Mark
 
-__all__ = ["wait_for_event"]
+__all__ = ["PollPolicy", "poll_policy", "set_poll_policy", "wait_for_event", "wait_for_events"]
+
+
+@dataclass(frozen=True, slots=True)
+class PollPolicy:
+    """How the shared poller spaces its passes over pending events.
+
+    After a pass that woke a waiter, or when a new waiter arrived, the poller
+    makes ``spin`` passes separated only by a yield to the event loop (other
+    tasks run in between); then it sleeps ``first`` seconds, multiplying the
+    sleep by ``growth`` after every pass that finds nothing done, up to
+    ``cap``. A pass yields to the loop after querying for ``slice`` seconds,
+    so even ten thousand pending events never hold the loop longer than that.
+
+    A waiter is therefore woken at most about ``cap`` (plus one pass) after
+    its event completes. asyncio and trio sleep with millisecond granularity
+    on Linux, so sleeps below 1 ms act as about 1 ms there.
+
+    ``PollPolicy()`` is the default: 2 spin passes, then 0.1 ms doubling to
+    1 ms. :meth:`low_latency` never sleeps: the poller yields between passes,
+    so a completion is seen within one turn of the event loop, at the price of
+    a busy loop (one CPU core) for as long as anything is pending.
+    """
+
+    spin: int = 2
+    first: float = 0.0001
+    growth: float = 2.0
+    cap: float = 0.001
+    slice: float = 0.0005
+
+    def __post_init__(self) -> None:
+        if isinstance(self.spin, bool) or not isinstance(self.spin, int) or self.spin < 0:
+            raise ValueError(f"spin must be a non-negative int, got {self.spin!r}")
+        for name in ("first", "cap", "slice"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if not (isinstance(self.growth, int | float) and 1.0 <= self.growth < math.inf):
+            raise ValueError(f"growth must be a finite number >= 1, got {self.growth!r}")
+        if self.first > self.cap:
+            raise ValueError(f"first ({self.first}) must not exceed cap ({self.cap})")
+
+    @classmethod
+    def low_latency(cls) -> PollPolicy:
+        """Never sleep between passes: lowest wake latency, one busy core while waiting."""
+        return cls(spin=0, first=0.0, growth=1.0, cap=0.0)
+
+    def delays(self) -> Iterable[float]:
+        """The sleeps between passes after a wake-up, in order (endless)."""
+        for _ in range(self.spin):
+            yield 0.0
+        delay = self.first
+        while True:
+            yield delay
+            delay = min(self.cap, delay * self.growth)
+
+
+_policy = PollPolicy()
+
+
+def poll_policy() -> PollPolicy:
+    """The policy the poller uses now. Does not block."""
+    return _policy
+
+
+def set_poll_policy(policy: PollPolicy) -> PollPolicy:
+    """Use ``policy`` from the next pass on, in every event loop; returns the old one.
+
+    Does not block.
+    """
+    global _policy
+    if not isinstance(policy, PollPolicy):
+        raise TypeError(f"expected a PollPolicy, got {type(policy).__name__}")
+    old, _policy = _policy, policy
+    return old
+
+
+class _Counters:
+    """Process-wide poller counters (read through ``cs.stats()``)."""
+
+    __slots__ = ("passes", "queries", "wakes")
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self.queries = 0
+        self.wakes = 0
+
+
+counters = _Counters()
+
+
+class _Entry:
+    """One pending event and the waiters woken when it completes."""
+
+    __slots__ = ("backend", "error", "event", "seq", "waiters")
+
+    def __init__(self, backend: Backend, event: int, seq: int) -> None:
+        self.backend = backend
+        self.event = event
+        self.seq = seq
+        self.waiters: list[anyio.Event] = []
+        self.error = False
+
+
+class _Poller:
+    """The poll loop of one event loop."""
+
+    def __init__(self) -> None:
+        # per (backend, stream key): entries in record order
+        self.queues: dict[tuple[int, Hashable], deque[_Entry]] = {}
+        self.entries: dict[tuple[int, int], _Entry] = {}
+        self.running = False
+        self.fresh = False
+        self._task: object = None  # asyncio needs a strong reference to its task
+
+    def add(self, backend: Backend, event: int, mark: Mark | None, waiter: anyio.Event) -> _Entry:
+        entry = self.entries.get((id(backend), event))
+        if entry is None:
+            key: Hashable = mark.key if mark is not None else ("event", event)
+            seq = mark.seq if mark is not None else -1
+            entry = _Entry(backend, event, seq)
+            self.entries[(id(backend), event)] = entry
+            queue = self.queues.setdefault((id(backend), key), deque())
+            if not queue or queue[-1].seq <= seq:
+                queue.append(entry)
+            else:  # recorded before something already waited on: keep record order
+                i = len(queue)
+                while i and queue[i - 1].seq > seq:
+                    i -= 1
+                queue.insert(i, entry)
+        entry.waiters.append(waiter)
+        self.fresh = True
+        if not self.running:
+            self._start()
+        return entry
+
+    def remove(self, entry: _Entry, waiter: anyio.Event) -> None:
+        """A waiter gave up (cancelled or timed out). Its entry stays queued
+        without waiters (skipped, never queried) so the stream's order holds."""
+        try:
+            entry.waiters.remove(waiter)
+        except ValueError:
+            return
+        if not entry.waiters and self.entries.get((id(entry.backend), entry.event)) is entry:
+            del self.entries[(id(entry.backend), entry.event)]
+
+    def _start(self) -> None:
+        import asyncio
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not asyncio: anyio's other backend is trio
+            import trio
+
+            trio.lowlevel.spawn_system_task(self._run, name="cai_streams poller")
+        else:
+            self._task = loop.create_task(self._run(), name="cai_streams poller")
+        self.running = True
+
+    async def _run(self) -> None:
+        try:
+            delays = iter(_policy.delays())
+            while self.queues:
+                if await self._pass() or self.fresh:
+                    self.fresh = False
+                    delays = iter(_policy.delays())
+                await anyio.sleep(next(delays))
+        finally:
+            self.running = False
+            self._task = None
+
+    async def _pass(self) -> bool:
+        """Query each stream's oldest pending event; wake what completed."""
+        counters.passes += 1
+        woke = False
+        budget = _policy.slice
+        started = time.perf_counter()
+        for qkey in list(self.queues):
+            queue = self.queues.get(qkey)
+            while queue:
+                entry = queue[0]
+                if not entry.waiters:  # all its waiters left
+                    queue.popleft()
+                    continue
+                counters.queries += 1
+                try:
+                    done = entry.backend.query(entry.event)
+                except CudaError:
+                    done = entry.error = True
+                except Exception:  # a broken backend must not strand the waiters
+                    done = entry.error = True
+                if not done:
+                    break
+                queue.popleft()
+                self.entries.pop((id(entry.backend), entry.event), None)
+                for waiter in entry.waiters:
+                    waiter.set()
+                counters.wakes += len(entry.waiters)
+                woke = True
+            if not queue:
+                self.queues.pop(qkey, None)
+            if time.perf_counter() - started > budget:
+                await anyio.lowlevel.checkpoint()
+                started = time.perf_counter()
+        return woke
+
+
+_poller_var: anyio.lowlevel.RunVar[_Poller] = anyio.lowlevel.RunVar("cai_streams_poller")
+
+
+def _current_poller() -> _Poller:
+    try:
+        return _poller_var.get()
+    except LookupError:
+        poller = _Poller()
+        _poller_var.set(poller)
+        return poller
+
+
+def check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not (
+        isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout >= 0
+    ):
+        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+
+
+async def wait_for_events(
+    backend: Backend,
+    events: Sequence[tuple[int, Mark | None]],
+    *,
+    timeout: float | None,
+    keepalive: object = None,
+) -> None:
+    """Wait until every event is complete, yielding to the event loop.
+
+    A cancellation point in every case (one checkpoint when all are already
+    complete). Cancelling or timing out withdraws the waits and leaves the
+    events alone: their owners release them. A failed event raises its
+    :class:`~cai_streams.CudaError` here.
+    """
+    check_timeout(timeout)
+    pending: list[tuple[int, Mark | None]] = []
+    for event, mark in events:
+        if not backend.query(event):
+            pending.append((event, mark))
+    if not pending:
+        await anyio.lowlevel.checkpoint()
+        return
+    with anyio.fail_after(timeout):
+        poller = _current_poller()
+        registered: list[tuple[_Entry, anyio.Event]] = []
+        try:
+            for event, mark in pending:
+                waiter = anyio.Event()
+                registered.append((poller.add(backend, event, mark, waiter), waiter))
+            for entry, waiter in registered:
+                await waiter.wait()
+                if entry.error:
+                    backend.query(entry.event)  # raises the driver's error in this task
+                    raise CudaError(0, "cudaErrorUnknown", "the poller could not query an event")
+        finally:
+            for entry, waiter in registered:
+                if not waiter.is_set():
+                    poller.remove(entry, waiter)
+    del keepalive
 
 
 async def wait_for_event(
-    backend: Backend, event: int, *, timeout: float | None, keepalive: object
-) -> None:
+    backend: Backend, event: int, *, mark: Mark | None = None, timeout: float | None,
+    keepalive: object = None,
+) -> None:  # fmt: skip
     """Poll ``event`` until complete; a cancellation point that leaks nothing."""
-    if timeout is not None and (math.isnan(timeout) or timeout < 0):
-        raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout}")
-    with anyio.fail_after(timeout):
-        await anyio.lowlevel.checkpoint()
-        delay = 0.0
+    await wait_for_events(backend, [(event, mark)], timeout=timeout, keepalive=keepalive)
+
+
+def wait_blocking(
+    backend: Backend, events: Sequence[int], *, timeout: float | None, keepalive: object = None
+) -> None:
+    """Block the calling thread until every event is complete, at most ``timeout`` s."""
+    check_timeout(timeout)
+    if timeout is None or math.isinf(timeout):
+        for event in events:
+            backend.synchronize_event(event)
+        return
+    deadline = time.monotonic() + timeout
+    delay = 0.00005
+    for event in events:
         while not backend.query(event):
-            await anyio.sleep(delay)
-            delay = min(0.001, delay * 2 or 0.00005)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"GPU work not complete after {timeout} s")
+            time.sleep(min(delay, left))
+            delay = min(0.001, delay * 2)
     del keepalive

@@ -18,8 +18,9 @@ from typing import Any
 
 from ._backend import Backend, current_backend
 from ._config import settings
-from ._events import EventPool
+from ._events import EventPool, Mark, record
 from ._interface import ArrayView, parse
+from ._poller import counters as poll_counters
 from ._stream import Stream
 
 __all__ = ["TrackedArray", "export", "stats", "track"]
@@ -36,11 +37,12 @@ class _Access:
     known yet, so the event is recorded at the next conflicting access.
     """
 
-    __slots__ = ("event", "stream", "waited_by")
+    __slots__ = ("event", "mark", "stream", "waited_by")
 
-    def __init__(self, stream: Stream, event: int | None) -> None:
+    def __init__(self, stream: Stream, event: int | None, mark: Mark | None = None) -> None:
         self.stream = stream
         self.event = event
+        self.mark = mark
         self.waited_by: set[int] = set()
 
 
@@ -81,13 +83,14 @@ class _Scheduler:
                 pending.append(access)
                 continue
             if access.event is None:
-                access.event = self.pool.acquire()
-                backend.record(access.event, access.stream.handle)
+                event = self.materialize(access)
             elif backend.query(access.event):
                 self.waits_elided += 1
                 self.release(access)
                 continue
-            backend.stream_wait_event(handle, access.event)
+            else:
+                event = access.event
+            backend.stream_wait_event(handle, event)
             access.waited_by.add(handle)
             if join:
                 self.joins += 1
@@ -96,10 +99,35 @@ class _Scheduler:
             pending.append(access)
         return pending
 
+    def materialize(self, access: _Access) -> int:
+        """Record the event of a lazy access now (see :class:`_Access`)."""
+        if access.event is None:
+            event = self.pool.acquire()
+            access.mark = record(self.backend, event, access.stream.handle)
+            access.event = event
+        return access.event
+
+    def new_access(self, stream: Stream) -> _Access:
+        """An access covering everything enqueued on ``stream`` so far."""
+        access = _Access(stream, None)
+        self.materialize(access)
+        return access
+
+    def join(self, waiter: int, producer: int, *, keepalive: object) -> None:
+        """Stream ``waiter`` waits for all work enqueued so far on ``producer``
+        (one pooled event; ``keepalive`` is held until it completes)."""
+        event = self.pool.acquire()
+        try:
+            record(self.backend, event, producer)
+            self.backend.stream_wait_event(waiter, event)
+        finally:
+            self.pool.release(event, keepalive)
+
     def release(self, access: _Access) -> None:
         if access.event is not None:
             self.pool.release(access.event, access.stream)
             access.event = None
+            access.mark = None
 
 
 _schedulers: dict[int, _Scheduler] = {}
@@ -214,8 +242,7 @@ class TrackedArray:
                     self._record_write(s, covered)
 
     def _record_write(self, s: Stream, covered: set[int]) -> None:
-        event = self._sched.pool.acquire()
-        self._sched.backend.record(event, s.handle)
+        new = self._sched.new_access(s)
         for access in [*self._writes.values(), *self._reads.values()]:
             if id(access) in covered:
                 self._sched.release(access)
@@ -224,7 +251,7 @@ class TrackedArray:
         old = self._writes.pop(s.handle, None)
         if old is not None:
             self._sched.release(old)
-        self._writes[s.handle] = _Access(s, event)
+        self._writes[s.handle] = new
 
     @contextmanager
     def reading(self, stream: object) -> Iterator[TrackedArray]:
@@ -243,13 +270,48 @@ class TrackedArray:
             try:
                 yield self
             finally:
-                with self._lock:
-                    event = self._sched.pool.acquire()
-                    self._sched.backend.record(event, s.handle)
-                    old = self._reads.pop(s.handle, None)
-                    if old is not None:
-                        self._sched.release(old)
-                    self._reads[s.handle] = _Access(s, event)
+                self._record_read(s, self._sched.new_access(s))
+
+    def _record_read(self, s: Stream, access: _Access) -> None:
+        """``access`` (on ``s``) is now this array's pending read on ``s``."""
+        with self._lock:
+            old = self._reads.pop(s.handle, None)
+            if old is not None:
+                self._sched.release(old)
+            self._reads[s.handle] = access
+
+    # -- consumer side (used by _consume) ---------------------------------------
+
+    def _pending_writes(self) -> list[_Access]:
+        """The pending writes, each with its event recorded and pinned, for a
+        host wait. Unpin with :meth:`_writes_done`."""
+        with self._exclusive("consume()"), self._lock:
+            accesses = list(self._writes.values())
+            for access in accesses:
+                self._sched.pool.pin(self._sched.materialize(access))
+            return accesses
+
+    def _writes_done(self, accesses: list[_Access], *, complete: bool) -> None:
+        """Unpin what :meth:`_pending_writes` gave; forget it when ``complete``."""
+        with self._lock:
+            for access in accesses:
+                if access.event is not None:
+                    self._sched.pool.unpin(access.event)
+            if complete:
+                done = {id(a) for a in accesses}
+                for handle, access in list(self._writes.items()):
+                    if id(access) in done:
+                        del self._writes[handle]
+                        self._sched.release(access)
+
+    def _read_on(self, s: Stream) -> None:
+        """Order ``s`` after the pending writes; what ``s`` enqueues from now on
+        reads this array (a lazy read: its event is recorded when needed)."""
+        with self._exclusive("consume()"), self._lock:
+            writes = list(self._writes.values())
+            self._keep_only(self._sched.order_after(s, writes, join=False) + [
+                *self._reads.values()])  # fmt: skip
+            self._record_read(s, _Access(s, None))
 
     def _keep_only(self, pending: list[_Access]) -> set[int]:
         """Forget the reads and writes not in ``pending`` (found complete)."""
@@ -348,6 +410,16 @@ def track(obj: object, stream: object = None) -> TrackedArray:
     return t
 
 
+def lookup(obj: object, backend: Backend) -> TrackedArray | None:
+    """The TrackedArray of ``obj`` (or ``obj`` itself) if it is tracked."""
+    if isinstance(obj, TrackedArray):
+        return obj
+    found = scheduler_for(backend).registry.get(id(obj))
+    if found is not None and found.array is obj:
+        return found
+    return None
+
+
 def export(obj: object, *, stream: object = None) -> dict[str, Any]:
     """A version 3 CAI dict for ``obj`` whose ``stream`` entry covers its pending work.
 
@@ -371,11 +443,8 @@ def export(obj: object, *, stream: object = None) -> dict[str, Any]:
     x = sched.export_stream if stream is None else _as_stream(stream, backend)
     sched.exports += 1
     if view.stream != x.handle:
-        event = sched.pool.acquire()
-        backend.record(event, view.stream)
-        backend.stream_wait_event(x.handle, event)
+        sched.join(x.handle, view.stream, keepalive=x)
         sched.joins += 1
-        sched.pool.release(event, x)
     cai["stream"] = x.handle
     return cai
 
@@ -386,11 +455,16 @@ def stats() -> dict[str, int]:
     ``events_created``, ``events_pooled`` (free for reuse), ``events_in_flight``
     (handed out or not yet complete), ``joins`` (export waits), ``waits``
     (waits made by writing/reading blocks), ``waits_elided`` (pending work
-    found complete), ``exports``, ``tracked``. Does not block.
+    found complete), ``exports``, ``tracked``; and, for the shared poller of
+    every event loop, ``poll_passes``, ``poll_queries`` (event queries made)
+    and ``poll_wakes`` (waiters woken). Does not block.
     """
     sched = scheduler_for(current_backend())
     sched.pool.reclaim()
     return {
+        "poll_passes": poll_counters.passes,
+        "poll_queries": poll_counters.queries,
+        "poll_wakes": poll_counters.wakes,
         "events_created": sched.pool.created,
         "events_pooled": sched.pool.free,
         "events_in_flight": sched.pool.in_flight,

@@ -6,6 +6,7 @@ import warnings
 
 from ._backend import Backend, current_backend
 from ._errors import CudaWarning
+from ._events import Mark, record
 
 __all__ = ["Event", "Stream", "stream_handle_of"]
 
@@ -220,11 +221,12 @@ class Event:
     (a pending record still completes). Keeps its stream alive.
     """
 
-    __slots__ = ("__weakref__", "_backend", "_closed", "_handle", "_stream")
+    __slots__ = ("__weakref__", "_backend", "_closed", "_handle", "_mark", "_stream")
 
     _backend: Backend
     _closed: bool
     _handle: int
+    _mark: Mark
     _stream: Stream
 
     def __init__(self) -> None:
@@ -240,7 +242,7 @@ class Event:
         self._handle = backend.create_event()
         self._closed = False
         try:
-            backend.record(self._handle, stream.handle)
+            self._mark = record(backend, self._handle, stream.handle)
         except BaseException:
             self.close()
             raise
@@ -277,7 +279,9 @@ class Event:
         """
         from ._poller import wait_for_event
 
-        await wait_for_event(self._backend, self.handle, timeout=timeout, keepalive=self)
+        await wait_for_event(
+            self._backend, self.handle, mark=self._mark, timeout=timeout, keepalive=self
+        )
 
     def close(self) -> None:
         """Destroy the event. Safe to call twice. Does not block."""

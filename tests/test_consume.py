@@ -1,0 +1,533 @@
+"""consume / consuming / consume_blocking / consume_all, on every backend, asyncio and trio.
+
+Ordering is shown with data: a latch holds the producer's stream, so a
+consumer that did not wait sees the old values, deterministically.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams import sim
+
+from .device_ops import DeviceOps
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def _defaults() -> Iterator[None]:
+    yield
+    cs.configure(sync=True, export_stream=True, poll=cs.PollPolicy())
+
+
+def _on(ops: DeviceOps, host: np.ndarray[Any, Any], stream: cs.Stream) -> tuple[Any, cs.ArrayView]:
+    """A device copy of ``host`` and a producer object exporting it on ``stream``."""
+    arr = ops.array(host)
+    return arr, cs.read_interface(arr).with_stream(stream.handle)
+
+
+def _baseline() -> int:
+    cs.current_backend().synchronize_stream(1)
+    return cs.stats()["events_in_flight"]
+
+
+# -- host readiness -----------------------------------------------------------
+
+
+async def test_host_wait_sees_the_producers_data(ops: DeviceOps) -> None:
+    s = cs.Stream()
+    arr, producer = _on(ops, np.zeros(256, "float32"), s)
+    latch = ops.latch(s)
+    ops.fill(s, arr, 7.0)
+    got: list[cs.ArrayView] = []
+
+    async def consumer() -> None:
+        got.append(await cs.consume(producer, timeout=20))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consumer)
+            for _ in range(20):
+                await anyio.sleep(0.001)
+            assert not got, "consume returned while the producer's stream was held"
+            assert (ops.to_host(arr) == 0).all()
+            latch.release()
+    finally:
+        latch.release()
+    (view,) = got
+    assert view.stream is None
+    assert view.ptr == producer.ptr and view.owner is arr  # kept alive by the view
+    assert (ops.to_host(arr) == 7).all()
+
+
+async def test_without_sync_the_consumer_sees_old_data(ops: DeviceOps) -> None:
+    """The control: the same handoff with sync=False returns at once, with
+    the producer's stream still in the view, and the data is not there yet."""
+    s = cs.Stream()
+    arr, producer = _on(ops, np.zeros(256, "float32"), s)
+    latch = ops.latch(s)
+    ops.fill(s, arr, 7.0)
+    try:
+        view = await cs.consume(producer, sync=False)
+        assert view.stream == s.handle
+        assert (ops.to_host(arr) == 0).all()
+        cs.configure(sync=False)  # the process-wide switch does the same
+        assert (await cs.consume(producer)).stream == s.handle
+    finally:
+        latch.release()
+    s.synchronize()
+
+
+async def test_complete_work_costs_one_checkpoint_and_no_poll(ops: DeviceOps) -> None:
+    """A tracked array whose writes are done: its own events say so at once."""
+    s = cs.Stream()
+    arr = ops.array(np.zeros(8, "float32"))
+    t = cs.track(arr)
+    with t.writing(s):
+        ops.fill(s, cs.read_interface(arr).with_stream(None), 1.0)
+    s.synchronize()
+    passes = cs.stats()["poll_passes"]
+    with anyio.CancelScope() as scope:  # trio's rule: still a cancellation point
+        scope.cancel()
+        await cs.consume(t)
+    assert scope.cancelled_caught
+    view = await cs.consume(t)
+    assert view.stream is None and (ops.to_host(arr) == 1).all()
+    assert cs.stats()["poll_passes"] == passes
+
+
+async def test_no_stream_means_nothing_to_wait_for(ops: DeviceOps) -> None:
+    arr = ops.array(np.arange(4, dtype="int32"))
+    view = await cs.consume(cs.read_interface(arr).with_stream(None))
+    assert view.stream is None and view.shape == (4,)
+
+
+# -- enqueue mode and the back-edge -------------------------------------------
+
+
+async def test_enqueue_orders_the_consumer_stream(ops: DeviceOps) -> None:
+    s, c = cs.Stream(), cs.Stream()
+    arr, producer = _on(ops, np.zeros(256, "float32"), s)
+    out = ops.array(np.zeros(1, "float32"))
+    latch = ops.latch(s)
+    ops.fill(s, arr, 3.0)
+    try:
+        view = await cs.consume(producer, stream=c)  # returns while s is held
+        assert view.stream == c.handle
+        ops.sum_into(c, out, view)
+    finally:
+        latch.release()
+    c.synchronize()
+    assert ops.to_host(out)[0] == 3 * 256
+
+
+async def test_enqueue_on_the_producers_own_stream_adds_nothing(ops: DeviceOps) -> None:
+    s = cs.Stream()
+    _, producer = _on(ops, np.zeros(4, "float32"), s)
+    before = cs.stats()["events_created"] + cs.stats()["events_pooled"]
+    view = await cs.consume(producer, stream=s)
+    assert view.stream == s.handle
+    assert cs.stats()["events_created"] + cs.stats()["events_pooled"] == before
+
+
+@pytest.mark.parametrize("back_edge", [True, False])
+async def test_consuming_holds_the_producer_until_the_reader_is_done(
+    ops: DeviceOps, back_edge: bool
+) -> None:
+    """The reader on c is held by a latch; the producer then overwrites the
+    buffer on s. With the back-edge the reader sees the old value; without
+    it (plain consume: the control) the overwrite runs first."""
+    s, c = cs.Stream(), cs.Stream()
+    arr, producer = _on(ops, np.full(64, 1.0, "float32"), s)
+    out = ops.array(np.zeros(1, "float32"))
+    latch = ops.latch(c)
+    try:
+        if back_edge:
+            async with cs.consuming(producer, stream=c) as view:
+                ops.sum_into(c, out, view)
+        else:
+            view = await cs.consume(producer, stream=c)
+            ops.sum_into(c, out, view)
+        ops.fill(s, arr, 100.0)  # the producer reuses its buffer
+        if not back_edge:
+            s.synchronize()  # the overwrite completes while the reader is held
+    finally:
+        latch.release()
+    c.synchronize()
+    s.synchronize()
+    assert ops.to_host(out)[0] == (64.0 if back_edge else 6400.0)
+
+
+async def test_consuming_runs_the_back_edge_when_the_block_raises(ops: DeviceOps) -> None:
+    s, c = cs.Stream(), cs.Stream()
+    arr, producer = _on(ops, np.full(64, 1.0, "float32"), s)
+    out = ops.array(np.zeros(1, "float32"))
+    latch = ops.latch(c)
+    try:
+        with pytest.raises(KeyError):
+            async with cs.consuming(producer, stream=c) as view:
+                ops.sum_into(c, out, view)
+                raise KeyError("consumer failed after enqueueing")
+        ops.fill(s, arr, 100.0)
+    finally:
+        latch.release()
+    s.synchronize()
+    c.synchronize()
+    assert ops.to_host(out)[0] == 64.0
+
+
+# -- tracked arrays -----------------------------------------------------------
+
+
+async def test_tracked_host_wait_covers_every_writer(ops: DeviceOps) -> None:
+    writers = [cs.Stream() for _ in range(3)]
+    arr = ops.array(np.zeros(300, "float32"))
+    t = cs.track(arr)
+    latches = [ops.latch(w) for w in writers]
+    try:
+        for i, w in enumerate(writers):
+            with t.writing(w, disjoint=True):
+                ops.fill(w, cs.read_interface(arr).with_stream(None), float(i + 1))
+        got: list[cs.ArrayView] = []
+        async with anyio.create_task_group() as tg:
+
+            async def consumer() -> None:
+                got.append(await cs.consume(t, timeout=20))
+
+            tg.start_soon(consumer)
+            for latch in latches[:2]:
+                latch.release()
+                await anyio.sleep(0.01)
+                assert not got, "consume returned before the last writer finished"
+            latches[2].release()
+    finally:
+        for latch in latches:
+            latch.release()
+    assert got[0].stream is None
+    assert (ops.to_host(arr) == 3).all()  # the fills overlap: the last one wins
+    assert t.pending_streams() == {"writes": [], "reads": []}  # waited writes are forgotten
+
+
+async def test_tracked_enqueue_read_protects_buffer_reuse(ops: DeviceOps) -> None:
+    """consume(t, stream=c) is a pending read: a later writer waits for c."""
+    c, w = cs.Stream(), cs.Stream()
+    arr = ops.array(np.full(64, 1.0, "float32"))
+    out = ops.array(np.zeros(1, "float32"))
+    t = cs.track(arr)
+    latch = ops.latch(c)
+    try:
+        view = await cs.consume(t, stream=c)
+        ops.sum_into(c, out, view)
+        with t.writing(w):
+            ops.fill(w, view.with_stream(None), 100.0)
+    finally:
+        latch.release()
+    c.synchronize()
+    w.synchronize()
+    assert ops.to_host(out)[0] == 64.0
+
+
+# -- timeouts, cancellation, errors --------------------------------------------
+
+
+async def test_timeout_raises_and_leaks_nothing(ops: DeviceOps) -> None:
+    base = _baseline()
+    s = cs.Stream()
+    _, producer = _on(ops, np.zeros(8, "float32"), s)
+    latch = ops.latch(s)
+    try:
+        with pytest.raises(TimeoutError):
+            await cs.consume(producer, timeout=0.02)
+        assert cs.stats()["events_in_flight"] == base + 1  # held until its work completes
+    finally:
+        latch.release()
+    s.synchronize()
+    assert cs.stats()["events_in_flight"] == base
+
+
+async def test_cancelled_waiters_leak_nothing_and_keep_owners_alive(ops: DeviceOps) -> None:
+    base = _baseline()
+    s = cs.Stream()
+    latch = ops.latch(s)
+    n = 200
+    producers = [_on(ops, np.zeros(4, "float32"), s)[1] for _ in range(n)]
+    owner = weakref.ref(producers[0].owner)  # the device array behind the view
+    done = 0
+    try:
+        async with anyio.create_task_group() as tg:
+            scopes = []
+
+            async def consumer(p: cs.ArrayView, scope: anyio.CancelScope) -> None:
+                nonlocal done
+                with scope:
+                    await cs.consume(p, timeout=20)
+                    done += 1
+
+            for p in producers:
+                scope = anyio.CancelScope()
+                scopes.append(scope)
+                tg.start_soon(consumer, p, scope)
+            del p
+            await anyio.sleep(0.02)
+            for scope in scopes[::2]:
+                scope.cancel()
+            await anyio.sleep(0.02)
+            del producers
+            gc.collect()
+            assert owner() is not None, "a cancelled wait let go of the owner too early"
+            latch.release()
+    finally:
+        latch.release()
+    assert done == n // 2
+    s.synchronize()
+    assert cs.stats()["events_in_flight"] == base
+    gc.collect()
+    assert owner() is None
+
+
+async def test_a_failed_kernel_raises_in_every_waiter(ops: DeviceOps) -> None:
+    s = cs.Stream()
+    arr = ops.array(np.zeros(8, "float32"))
+    t = cs.track(arr)
+    latch = ops.latch(s)
+    with t.writing(s):
+        ops.fail(s)
+    errors: list[BaseException] = []
+
+    async def consumer() -> None:
+        try:
+            await cs.consume(t, timeout=20)
+        except cs.CudaError as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(consumer)
+        await anyio.sleep(0.01)
+        latch.release()
+    assert len(errors) == 3
+    assert all(isinstance(e, cs.CudaError) for e in errors)
+    assert len({id(e) for e in errors}) == 3  # each task gets its own exception
+
+
+# -- many waiters ----------------------------------------------------------------
+
+
+async def test_a_thousand_consumers_all_see_complete_data() -> None:
+    cs.use_backend("sim")
+    rng = np.random.default_rng(5)
+    streams = [cs.Stream() for _ in range(8)]
+    n = 1000
+    arrays = [sim.empty(16, "int32") for _ in range(n)]
+    producers = []
+    for i, arr in enumerate(arrays):
+        s = streams[i % len(streams)]
+        duration = float(rng.uniform(0, 0.002))
+        sim.launch(s, lambda x, v=i: x.fill(v), arr, writes=[arr], duration=duration)
+        producers.append(cs.read_interface(arr).with_stream(s.handle))
+    wrong = 0
+    started = finished = 0
+    all_started = anyio.Event()
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        await all_started.wait()  # starting 1,000 tasks is one long loop turn: not measured
+        await anyio.lowlevel.checkpoint()
+        last = anyio.current_time()
+        while finished < n:
+            await anyio.sleep(0.001)
+            now = anyio.current_time()
+            gaps.append(now - last)
+            last = now
+
+    async def consumer(i: int) -> None:
+        nonlocal wrong, started, finished
+        started += 1
+        if started == n:
+            all_started.set()
+        view = await cs.consume(producers[i], timeout=30)
+        data = sim._numpy_view(view)
+        assert data is not None
+        wrong += int((data != i).any())
+        finished += 1
+
+    queries = cs.stats()["poll_queries"]
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat)
+            for i in range(n):
+                tg.start_soon(consumer, i)
+    assert wrong == 0
+    # The stream-order shortcut: far fewer queries than one per waiter per pass.
+    assert cs.stats()["poll_queries"] - queries < 20 * n
+    # The loop never stalled for a pending duration: gaps stay near the cap.
+    # (Slack covers the GIL hand-off to the simulator's threads, up to 5 ms.)
+    assert max(gaps) < cs.PollPolicy().cap + 0.05, max(gaps)
+
+
+async def test_the_heartbeat_sees_a_blocking_wait() -> None:
+    """The control for the heartbeat bound above: what CuPy and Numba
+    consumers do (a blocking synchronize in the loop) breaks it."""
+    cs.use_backend("sim")
+    s = cs.Stream()
+    arr = sim.empty(16, "int32")
+    sim.launch(s, lambda x: x.fill(1), arr, writes=[arr], duration=0.2)
+    gaps: list[float] = []
+    stop = anyio.Event()
+
+    async def heartbeat() -> None:
+        last = anyio.current_time()
+        while not stop.is_set():
+            await anyio.sleep(0.001)
+            now = anyio.current_time()
+            gaps.append(now - last)
+            last = now
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
+        await anyio.sleep(0.005)
+        cs.consume_blocking(cs.read_interface(arr).with_stream(s.handle), timeout=20)
+        await anyio.sleep(0.005)
+        stop.set()
+    assert max(gaps) > cs.PollPolicy().cap + 0.05
+
+
+async def test_consume_all_of_a_hundred_arrays() -> None:
+    cs.use_backend("sim")
+    streams = [cs.Stream() for _ in range(4)]
+    arrays = [sim.empty(8, "float64") for _ in range(100)]
+    producers = []
+    for i, arr in enumerate(arrays):
+        s = streams[i % 4]
+        sim.launch(s, lambda x, v=i: x.fill(v), arr, writes=[arr], duration=0.0005)
+        producers.append(cs.read_interface(arr).with_stream(s.handle))
+    views = await cs.consume_all(*producers, timeout=30)
+    assert [v.ptr for v in views] == [a.ptr for a in arrays]
+    for i, v in enumerate(views):
+        data = sim._numpy_view(v)
+        assert data is not None and (data == i).all()
+    assert await cs.consume_all() == []
+
+
+async def test_the_poller_ends_when_nothing_is_pending(ops: DeviceOps) -> None:
+    from cai_streams import _poller
+
+    s = cs.Stream()
+    _, producer = _on(ops, np.zeros(8, "float32"), s)
+    latch = ops.latch(s)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cs.consume, producer)
+        await anyio.sleep(0.005)
+        assert _poller._current_poller().running
+        latch.release()
+    for _ in range(100):
+        if not _poller._current_poller().running:
+            break
+        await anyio.sleep(0.001)
+    assert not _poller._current_poller().running
+
+
+async def test_low_latency_policy_waits_correctly(ops: DeviceOps) -> None:
+    cs.configure(poll=cs.PollPolicy.low_latency())
+    s = cs.Stream()
+    arr, producer = _on(ops, np.zeros(16, "float32"), s)
+    ops.fill(s, arr, 2.0, duration=0.01)
+    await cs.consume(producer, timeout=20)
+    assert (ops.to_host(arr) == 2).all()
+
+
+# -- blocking and validation ----------------------------------------------------
+
+
+def test_consume_blocking(ops: DeviceOps) -> None:
+    s = cs.Stream()
+    arr, producer = _on(ops, np.zeros(16, "float32"), s)
+    latch = ops.latch(s)
+    ops.fill(s, arr, 4.0)
+    with pytest.raises(TimeoutError):
+        cs.consume_blocking(producer, timeout=0.01)
+    latch.release()
+    view = cs.consume_blocking(producer, timeout=20)
+    assert view.stream is None and (ops.to_host(arr) == 4).all()
+    c = cs.Stream()
+    assert cs.consume_blocking(producer, stream=c).stream == c.handle
+    assert cs.consume_blocking(producer).stream is None  # no timeout: synchronizes
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"timeout": -1}, ValueError),
+        ({"timeout": float("nan")}, ValueError),
+        ({"timeout": "1"}, ValueError),
+        ({"sync": 1}, TypeError),
+        ({"stream": 0}, ValueError),
+        ({"stream": "s"}, TypeError),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception]) -> None:
+    cs.use_backend("sim")
+    arr = sim.empty(4)
+    with pytest.raises(error):
+        cs.consume_blocking(arr, **kwargs)
+    with pytest.raises(error):
+        anyio.run(lambda: cs.consume(arr, **kwargs))
+
+
+def test_not_an_array() -> None:
+    with pytest.raises(TypeError, match="__cuda_array_interface__"):
+        cs.consume_blocking(object())
+
+
+# -- event loops ----------------------------------------------------------------
+
+
+def test_uvloop() -> None:
+    pytest.importorskip("uvloop")
+    cs.use_backend("sim")
+    s = cs.Stream()
+    arr = sim.empty(8, "float32")
+    sim.launch(s, lambda x: x.fill(9), arr, writes=[arr], duration=0.005)
+
+    async def main() -> cs.ArrayView:
+        return await cs.consume(cs.read_interface(arr).with_stream(s.handle), timeout=20)
+
+    view = anyio.run(main, backend_options={"use_uvloop": True})
+    data = sim._numpy_view(view)
+    assert data is not None and (data == 9).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"spin": -1},
+        {"spin": True},
+        {"first": -0.1},
+        {"cap": float("inf")},
+        {"growth": 0.5},
+        {"first": 0.01, "cap": 0.001},
+        {"slice": float("nan")},
+    ],  # fmt: skip
+)
+def test_poll_policy_rejects_nonsense(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        cs.PollPolicy(**kwargs)
+    with pytest.raises(TypeError):
+        cs.configure(poll="fast")  # type: ignore[arg-type]
+
+
+def test_poll_policy_delays() -> None:
+    delays = iter(cs.PollPolicy(spin=1, first=0.0001, growth=2.0, cap=0.0005).delays())
+    assert [next(delays) for _ in range(6)] == [0.0, 0.0001, 0.0002, 0.0004, 0.0005, 0.0005]
+    low = iter(cs.PollPolicy.low_latency().delays())
+    assert {next(low) for _ in range(5)} == {0.0}
