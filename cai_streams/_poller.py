@@ -167,6 +167,14 @@ class _Poller:
             self._start()
         return entry
 
+    def known_pending(self, backend: Backend, mark: Mark | None) -> bool:
+        """Whether an older event of the same stream is already known not to be
+        complete (then neither is this one, and it need not be queried)."""
+        if mark is None:
+            return False
+        queue = self.queues.get((id(backend), mark.key))
+        return bool(queue) and queue[0].seq < mark.seq  # type: ignore[index]
+
     def remove(self, entry: _Entry, waiter: anyio.Event) -> None:
         """A waiter gave up (cancelled or timed out). Its entry stays queued
         without waiters (skipped, never queried) so the stream's order holds."""
@@ -272,15 +280,15 @@ async def wait_for_events(
     :class:`~cai_streams.CudaError` here.
     """
     check_timeout(timeout)
+    poller = _current_poller()
     pending: list[tuple[int, Mark | None]] = []
     for event, mark in events:
-        if not backend.query(event):
+        if poller.known_pending(backend, mark) or not backend.query(event):
             pending.append((event, mark))
     if not pending:
         await anyio.lowlevel.checkpoint()
         return
     with anyio.fail_after(timeout):
-        poller = _current_poller()
         registered: list[tuple[_Entry, anyio.Event]] = []
         try:
             for event, mark in pending:
