@@ -25,6 +25,8 @@ from ._errors import KernelError as KernelError
 from ._interface import ArrayView as ArrayView
 from ._interface import parse as read_interface
 from ._poller import PollPolicy as PollPolicy
+from ._sanitizer import sanitize as sanitize
+from ._sanitizer import sanitizing as sanitizing
 from ._scheduler import TrackedArray as TrackedArray
 from ._scheduler import export as export
 from ._scheduler import stats as stats
@@ -53,6 +55,8 @@ __all__ = (
     "current_backend",
     "export",
     "read_interface",
+    "sanitize",
+    "sanitizing",
     "sim",
     "stats",
     "track",

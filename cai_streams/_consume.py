@@ -19,10 +19,11 @@ from typing import Any
 
 import anyio.lowlevel
 
+from . import _sanitizer
 from ._backend import Backend, current_backend
 from ._config import settings
 from ._events import Mark, record
-from ._interface import ArrayView, parse
+from ._interface import ArrayView, byte_range, parse
 from ._poller import check_timeout, wait_blocking, wait_for_events
 from ._scheduler import TrackedArray, _Access, _Scheduler, lookup, scheduler_for
 from ._stream import Stream
@@ -49,7 +50,8 @@ class _Handoff:
     """One array being consumed: the view to return, what the host must wait
     for, and how to let go of it afterwards, whatever happened."""
 
-    __slots__ = ("accesses", "events", "producer", "sched", "stream", "tracked", "view")
+    __slots__ = ("accesses", "events", "host_read", "producer", "sched", "stream", "tracked",
+                 "view")  # fmt: skip
 
     def __init__(self, obj: object, stream: object, sync: object, backend: Backend) -> None:
         synced = _sync_flag(sync)
@@ -61,6 +63,8 @@ class _Handoff:
         self.accesses: list[_Access] = []  # a tracked array's pending writes, pinned
         #: the untracked producer's stream, joined back at the end of consuming()
         self.producer: int | None = None
+        #: the data is read on the host once ready (declared to the sanitizer)
+        self.host_read = synced and self.stream is None
         if not synced:
             self.tracked = None  # no back-edge either: the caller opted out
             return
@@ -73,6 +77,7 @@ class _Handoff:
             else:
                 t._read_on(s)
                 self.view = view.with_stream(s.handle)
+                self._declare_stream_read(backend, s)
             return
         if view.stream is None:
             return
@@ -81,6 +86,7 @@ class _Handoff:
             if view.stream != s.handle:
                 self.sched.join(s.handle, view.stream, keepalive=view)
             self.view = view.with_stream(s.handle)
+            self._declare_stream_read(backend, s)
             return
         event = self.sched.pool.acquire()
         try:
@@ -90,6 +96,11 @@ class _Handoff:
             raise
         self.events = [(event, mark)]
         self.view = view.with_stream(None)
+
+    def _declare_stream_read(self, backend: Backend, s: Stream) -> None:
+        if _sanitizer.active:
+            _sanitizer.stream_access(backend, s.handle, reads=[byte_range(self.view)], writes=(),
+                                     what="consume(stream=...): the consumer's read")  # fmt: skip
 
     def finish(self, *, complete: bool) -> None:
         """Let go of the events: each returns to the pool once complete, and
@@ -102,6 +113,9 @@ class _Handoff:
             for event, _ in self.events:
                 self.sched.pool.release(event, self.view)
         self.events = []
+        if complete and self.host_read and _sanitizer.active:
+            self.host_read = False
+            _sanitizer.host_access("read", [byte_range(self.view)], "consume(): the host's read")
 
     def back_edge(self) -> None:
         """The producer's side waits for the consumer's work on ``stream``:

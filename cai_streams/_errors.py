@@ -57,7 +57,17 @@ class KernelError(CudaError):
 
 
 class HazardError(CaiStreamsError, RuntimeError):
-    """Two accesses to overlapping memory are not ordered (sanitizer)."""
+    """Two accesses to overlapping memory are not ordered (sanitizer).
+
+    The message names both accesses (read or write, which stream or host
+    thread, what made it and where in the program), the missing ordering and
+    the fix. ``first`` and ``second`` hold the two accesses.
+    """
+
+    def __init__(self, message: str, *, first: object = None, second: object = None) -> None:
+        super().__init__(message)
+        self.first = first
+        self.second = second
 
 
 class CudaWarning(RuntimeWarning):

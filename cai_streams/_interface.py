@@ -34,6 +34,16 @@ def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def byte_range(view: ArrayView) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` that ``view`` can touch (empty for zero-size)."""
+    if view.size == 0:
+        return (view.ptr, view.ptr)
+    pairs = list(zip(view.shape, view.strides, strict=True))
+    lo = view.ptr + sum(min(0, (n - 1) * s) for n, s in pairs)
+    hi = view.ptr + sum(max(0, (n - 1) * s) for n, s in pairs) + view.dtype.itemsize
+    return (lo, hi)
+
+
 def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
     """numpy's rule: dimensions of length 1 may have any stride; empty is contiguous."""
     if 0 in shape:

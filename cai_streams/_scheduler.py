@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from . import _sanitizer
 from ._backend import Backend, current_backend
 from ._config import settings
 from ._events import EventPool, Mark, record
-from ._interface import ArrayView, parse
+from ._interface import ArrayView, byte_range, parse
 from ._poller import counters as poll_counters
 from ._stream import Stream
 
@@ -235,6 +236,10 @@ class TrackedArray:
                     self._reads = {h: a for h, a in self._reads.items() if id(a) in covered}
                 else:
                     self._keep_only(pending)
+                if _sanitizer.active and not disjoint:  # a disjoint block does not say which part
+                    _sanitizer.stream_access(self._sched.backend, s.handle, reads=(),
+                                             writes=[byte_range(self.view)],
+                                             what="writing() block")  # fmt: skip
             try:
                 yield self
             finally:
@@ -267,6 +272,10 @@ class TrackedArray:
                 writes = list(self._writes.values())
                 self._keep_only(self._sched.order_after(s, writes, join=False) + [
                     *self._reads.values()])  # fmt: skip
+                if _sanitizer.active:
+                    _sanitizer.stream_access(self._sched.backend, s.handle,
+                                             reads=[byte_range(self.view)], writes=(),
+                                             what="reading() block")  # fmt: skip
             try:
                 yield self
             finally:
@@ -340,12 +349,26 @@ class TrackedArray:
                                         join=True)  # fmt: skip
             if not pending:
                 self._writes, self._reads = {}, {}
+                if _sanitizer.active:  # stream None says "ready now, anywhere"
+                    _sanitizer.host_access(
+                        "read",
+                        [byte_range(self.view)],
+                        "export() with nothing pending: stream None",
+                    )
                 return cai
             for access in pending:
                 sched.release(access)
             # The consumer's work lands on x (enqueued there, or joined back to
             # it as the spec requires), so the next conflicting access waits for x.
             self._writes, self._reads = {x.handle: _Access(x, None)}, {}
+            if _sanitizer.active:  # under the lock: before any later access sees x
+                _sanitizer.stream_access(
+                    sched.backend,
+                    x.handle,
+                    reads=[byte_range(self.view)],
+                    writes=(),
+                    what="export(): the consumer's read",
+                )
         cai["stream"] = x.handle
         return cai
 
@@ -445,6 +468,9 @@ def export(obj: object, *, stream: object = None) -> dict[str, Any]:
     if view.stream != x.handle:
         sched.join(x.handle, view.stream, keepalive=x)
         sched.joins += 1
+    if _sanitizer.active:
+        _sanitizer.stream_access(backend, x.handle, reads=[byte_range(view)], writes=(),
+                                 what="export(): the consumer's read")  # fmt: skip
     cai["stream"] = x.handle
     return cai
 

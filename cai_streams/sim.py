@@ -20,8 +20,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
+from . import _sanitizer
 from ._backend import _instance
 from ._backend._sim import SimBackend
+from ._interface import ArrayView, byte_range, parse
 from ._stream import Stream, stream_handle_of
 
 __all__ = ["SimArray", "asarray", "device", "empty", "launch"]
@@ -112,6 +114,10 @@ class SimArray:
             np.copyto(out, src)
 
         backend = device()
+        if _sanitizer.active:
+            _sanitizer.stream_access(
+                backend, handle, reads=[_range(self)], writes=[], what="to_host() copy"
+            )
         backend.launch(handle, copy, "to_host", 0.0)
         backend.synchronize_stream(handle)
         return out
@@ -151,28 +157,30 @@ def asarray(array: ArrayLike, dtype: DTypeLike | None = None) -> SimArray:
     return out
 
 
+def _interface_of(obj: object) -> ArrayView | None:
+    """The interface of ``obj`` without exporting it (a TrackedArray's wrapped
+    array: reading its interface would join its pending work)."""
+    if isinstance(obj, ArrayView):
+        return obj
+    inner = getattr(obj, "_cai_streams_array", None)
+    if inner is not None:
+        return _interface_of(inner)
+    if not hasattr(obj, "__cuda_array_interface__"):
+        return None
+    return parse(obj)
+
+
 def _numpy_view(obj: object) -> np.ndarray[Any, Any] | None:
     """The numpy view of device memory behind ``obj``, or None if not an array."""
     if isinstance(obj, SimArray):
         return obj._view
-    from ._interface import ArrayView, parse
-
-    if isinstance(obj, ArrayView):
-        view = obj
-    else:
-        inner = getattr(obj, "_cai_streams_array", None)
-        if inner is not None:
-            return _numpy_view(inner)
-        if not hasattr(obj, "__cuda_array_interface__"):
-            return None
-        view = parse(obj)
+    view = _interface_of(obj)
+    if view is None:
+        return None
     if view.nbytes == 0:
         return np.empty(view.shape, view.dtype)
-    low = view.ptr + sum(min(0, (n - 1) * s) for n, s in zip(view.shape, view.strides, strict=True))
-    high = view.ptr + sum(
-        max(0, (n - 1) * s) for n, s in zip(view.shape, view.strides, strict=True)
-    )
-    found = device().memory.find(low, high - low + view.dtype.itemsize)
+    low, high = byte_range(view)
+    found = device().memory.find(low, high - low)
     if found is None:
         raise ValueError(f"{type(obj).__name__} at {view.ptr:#x} is not in simulated device memory")
     block, offset = found
@@ -209,6 +217,7 @@ def launch(
     if not backend.is_stream(handle):
         raise ValueError(f"{handle:#x} is not a stream of the simulated device")
     resolved = tuple(_kernel_arg(a) for a in args)
+    reads, writes = tuple(reads), tuple(writes)
     declared = (*reads, *writes)
     for arr in declared:
         if _numpy_view(arr) is None:
@@ -218,7 +227,21 @@ def launch(
         fn(*resolved)
 
     label = name if name is not None else str(getattr(fn, "__name__", repr(fn)))
+    if _sanitizer.active:
+        _sanitizer.stream_access(
+            backend,
+            handle,
+            reads=[_range(a) for a in reads],
+            writes=[_range(a) for a in writes],
+            what=f"kernel {label!r}",
+        )
     backend.launch(handle, kernel, label, duration or 0.0)
+
+
+def _range(obj: object) -> tuple[int, int]:
+    view = _interface_of(obj)
+    assert view is not None
+    return byte_range(view)
 
 
 def _kernel_arg(arg: object) -> object:

@@ -37,6 +37,14 @@ def ops(backend: cs.Backend) -> DeviceOps:
     return ops_for(backend.name)
 
 
+@pytest.fixture(autouse=True)
+def _sanitized() -> Iterator[None]:
+    """The project's own tests run with the sanitizer on, each from a clean slate.
+    A test that races on purpose says so with ``with cs.sanitize(False):``."""
+    with cs.sanitize():
+        yield
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)

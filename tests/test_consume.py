@@ -23,6 +23,11 @@ from .device_ops import DeviceOps
 
 pytestmark = pytest.mark.anyio
 
+#: loop-gap allowance on the simulated device: its stream workers share the GIL
+#: with the loop (handed over every 5 ms under contention); a blocked loop
+#: shows gaps the length of the pending work instead (see the control test)
+SLACK = 0.1
+
 
 @pytest.fixture(autouse=True)
 def _defaults() -> Iterator[None]:
@@ -155,10 +160,12 @@ async def test_consuming_holds_the_producer_until_the_reader_is_done(
         if back_edge:
             async with cs.consuming(producer, stream=c) as view:
                 ops.sum_into(c, out, view)
+            ops.fill(s, arr, 100.0)  # the producer reuses its buffer
         else:
             view = await cs.consume(producer, stream=c)
             ops.sum_into(c, out, view)
-        ops.fill(s, arr, 100.0)  # the producer reuses its buffer
+            with cs.sanitize(False):  # racy on purpose: no back-edge
+                ops.fill(s, arr, 100.0)
         if not back_edge:
             s.synchronize()  # the overwrite completes while the reader is held
     finally:
@@ -197,7 +204,7 @@ async def test_tracked_host_wait_covers_every_writer(ops: DeviceOps) -> None:
     try:
         for i, w in enumerate(writers):
             with t.writing(w, disjoint=True):
-                ops.fill(w, cs.read_interface(arr).with_stream(None), float(i + 1))
+                ops.fill(w, cs.read_interface(arr[i * 100 : (i + 1) * 100]), float(i + 1))
         got: list[cs.ArrayView] = []
         async with anyio.create_task_group() as tg:
 
@@ -214,7 +221,7 @@ async def test_tracked_host_wait_covers_every_writer(ops: DeviceOps) -> None:
         for latch in latches:
             latch.release()
     assert got[0].stream is None
-    assert (ops.to_host(arr) == 3).all()  # the fills overlap: the last one wins
+    assert (ops.to_host(arr) == np.repeat([1.0, 2.0, 3.0], 100)).all()
     assert t.pending_streams() == {"writes": [], "reads": []}  # waited writes are forgotten
 
 
@@ -372,7 +379,7 @@ async def test_a_thousand_consumers_all_see_complete_data() -> None:
     assert cs.stats()["poll_queries"] - queries < 20 * n
     # The loop never stalled for a pending duration: gaps stay near the cap.
     # (Slack covers the GIL hand-off to the simulator's threads, up to 5 ms.)
-    assert max(gaps) < cs.PollPolicy().cap + 0.05, max(gaps)
+    assert max(gaps) < cs.PollPolicy().cap + SLACK, max(gaps)
 
 
 async def test_the_heartbeat_sees_a_blocking_wait() -> None:
@@ -381,7 +388,7 @@ async def test_the_heartbeat_sees_a_blocking_wait() -> None:
     cs.use_backend("sim")
     s = cs.Stream()
     arr = sim.empty(16, "int32")
-    sim.launch(s, lambda x: x.fill(1), arr, writes=[arr], duration=0.2)
+    sim.launch(s, lambda x: x.fill(1), arr, writes=[arr], duration=0.3)
     gaps: list[float] = []
     stop = anyio.Event()
 
@@ -399,7 +406,7 @@ async def test_the_heartbeat_sees_a_blocking_wait() -> None:
         cs.consume_blocking(cs.read_interface(arr).with_stream(s.handle), timeout=20)
         await anyio.sleep(0.005)
         stop.set()
-    assert max(gaps) > cs.PollPolicy().cap + 0.05
+    assert max(gaps) > cs.PollPolicy().cap + SLACK
 
 
 async def test_consume_all_of_a_hundred_arrays() -> None:

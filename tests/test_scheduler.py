@@ -71,7 +71,8 @@ def test_spec_example_7_9_15_joined_onto_3_always_sums_right() -> None:
 def test_spec_example_without_the_join_goes_wrong() -> None:
     """The control: the same program with the join disabled reads unfinished thirds."""
     cs.configure(export_stream=False)
-    assert _spec_scenario(reps=30) > 0
+    with cs.sanitize(False):  # racy on purpose (the sanitizer's catalogue flags it)
+        assert _spec_scenario(reps=30) > 0
 
 
 def test_overlapping_writers_are_serialized_by_default() -> None:
@@ -198,7 +199,7 @@ def test_without_read_tracking_the_buffer_is_overwritten_under_the_reader() -> N
     reader.wait(producer.record())  # read ordered after the write, but not tracked
     latch = ops.latch(reader)
     ops.copy(reader, out, t.array)
-    with t.writing(producer):
+    with cs.sanitize(False), t.writing(producer):  # racy on purpose (write after read)
         ops.fill(producer, t.array, 2.0)
     producer.synchronize()
     latch.release()

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Final
 
 from .._errors import CaiStreamsError
@@ -109,6 +110,10 @@ def _backend_class(name: str) -> type[Backend]:
     raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(BACKEND_NAMES)}")
 
 
+#: set by the sanitizer while it is on: called with every backend made
+instrument: Callable[[Backend], None] | None = None
+
+
 def _instance(name: str) -> Backend:
     backend = _instances.get(name)
     if backend is None:
@@ -118,6 +123,9 @@ def _instance(name: str) -> Backend:
             raise CaiStreamsError(f"the {name!r} backend cannot be used here: {reason}")
         backend = cls()
         _instances[name] = backend
+        hook = instrument
+        if hook is not None:
+            hook(backend)
     return backend
 
 

@@ -142,6 +142,8 @@ class _SimStream:
                 while not waited.done.wait(0.05):
                     if self._backend.closing:
                         return
+            # An idle worker must not keep the last kernel's arrays alive.
+            del op
 
     def _run_kernel(self, fn: Callable[[], object], name: str, duration: float) -> None:
         delay = duration
@@ -156,6 +158,10 @@ class _SimStream:
             with self._cv:
                 if self._error is None:
                     self._error = KernelError(name, self.handle, exc)
+
+
+#: called with (start, end) of every block freed (the sanitizer forgets it)
+free_hooks: list[Callable[[int, int], None]] = []
 
 
 class _Allocations:
@@ -184,8 +190,12 @@ class _Allocations:
 
     def _free(self, ptr: int) -> None:
         with self._lock:
-            if self._blocks.pop(ptr, None) is not None:
+            found = self._blocks.pop(ptr, None)
+            if found is not None:
                 del self._starts[bisect.bisect_left(self._starts, ptr)]
+        if found is not None:
+            for hook in free_hooks:
+                hook(ptr, ptr + found[0])
 
     def find(self, ptr: int, nbytes: int) -> tuple[np.ndarray[Any, Any], int] | None:
         """The live block holding ``[ptr, ptr + nbytes)`` and the offset into it."""
