@@ -258,13 +258,31 @@ _instrumented: dict[int, tuple[Backend, list[str]]] = {}
 active = False
 
 
+_shown: dict[str, str | None] = {}  # code file -> how a site in it is shown (None: skip)
+
+
+def _shown_as(path: str) -> str | None:
+    found = _shown.get(path, "")
+    if found == "":
+        if os.path.abspath(path).startswith(_PACKAGE_DIR) or path.endswith("contextlib.py"):
+            found = None
+        elif path.startswith("<"):
+            found = path
+        else:
+            try:
+                found = os.path.relpath(path)
+            except ValueError:  # another drive, on Windows
+                found = path
+        _shown[path] = found
+    return found
+
+
 def _site() -> str:
     """File and line of the first caller outside this package."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
-        path = frame.f_code.co_filename
-        if not (os.path.abspath(path).startswith(_PACKAGE_DIR) or path.endswith("contextlib.py")):
-            shown = path if path.startswith("<") else os.path.relpath(path)
+        shown = _shown_as(frame.f_code.co_filename)
+        if shown is not None:
             return f"{shown}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"

@@ -239,6 +239,14 @@ def launch(
 
 
 def _range(obj: object) -> tuple[int, int]:
+    if isinstance(obj, SimArray):  # the common case, without building an ArrayView
+        v = obj._view
+        if v.size == 0:
+            return (0, 0)
+        lo = hi = int(v.ctypes.data)
+        for n, st in zip(v.shape, v.strides, strict=True):
+            lo, hi = (lo + (n - 1) * st, hi) if st < 0 else (lo, hi + (n - 1) * st)
+        return (lo, hi + v.itemsize)
     view = _interface_of(obj)
     assert view is not None
     return byte_range(view)

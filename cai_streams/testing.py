@@ -1,0 +1,87 @@
+"""Test your own pipeline without a GPU: the simulated device with the sanitizer on.
+
+Installed as a pytest plugin (entry point ``pytest11``), so with ``cai-streams``
+installed these are available in every test suite without an import:
+
+* the ``cai_sim`` fixture: the test runs on the simulated device with the
+  sanitizer on, and gets the device (``cai_sim.jitter``, ``cai_sim.seed``);
+* the ``@pytest.mark.cai_sim(jitter=..., seed=...)`` marker: the same for a
+  test that does not ask for the fixture (or for every test of a module, with
+  ``pytestmark``); ``jitter`` is the largest random delay added to each kernel
+  (seconds), ``seed`` makes that delay sequence repeat;
+* :func:`simulated`, the context manager behind both, for use outside pytest.
+
+A race in the pipeline raises :class:`~cai_streams.HazardError` at the
+offending access, on every run; the jitter makes the data wrong as well, the
+way a GPU would when timing is unlucky. See ``docs/testing.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from . import _backend
+from ._backend._sim import SimBackend
+from ._sanitizer import sanitize
+from .sim import device
+
+__all__ = ["cai_sim", "simulated"]
+
+
+@contextmanager
+def simulated(
+    *, sanitizer: bool = True, jitter: float | None = None, seed: int | None = None
+) -> Iterator[SimBackend]:
+    """Run the block on the simulated device, with the sanitizer on by default.
+
+    ``jitter`` and ``seed`` apply to streams made inside the block (``jitter``
+    to every kernel); both are restored afterwards, as is the backend that was
+    current. Does not block; enqueues nothing.
+    """
+    if jitter is not None and not jitter >= 0:
+        raise ValueError(f"jitter must be a non-negative number of seconds, got {jitter!r}")
+    previous = _backend._current
+    sim_device = device()
+    saved = (sim_device.jitter, sim_device.seed)
+    _backend.use_backend("sim")
+    if jitter is not None:
+        sim_device.jitter = float(jitter)
+    if seed is not None:
+        sim_device.seed = int(seed)
+    try:
+        with sanitize(sanitizer):
+            yield sim_device
+    finally:
+        sim_device.jitter, sim_device.seed = saved
+        with _backend._lock:
+            _backend._current = previous
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "cai_sim(jitter=None, seed=None, sanitizer=True): run on cai_streams' simulated "
+        "device with its sanitizer on",
+    )
+
+
+@pytest.fixture
+def cai_sim(request: pytest.FixtureRequest) -> Iterator[SimBackend]:
+    """The simulated device, current for the test, with the sanitizer on."""
+    marker = request.node.get_closest_marker("cai_sim")
+    kwargs: dict[str, Any] = dict(marker.kwargs) if marker is not None else {}
+    with simulated(**kwargs) as sim_device:
+        yield sim_device
+
+
+@pytest.fixture(autouse=True)
+def _cai_sim_marker(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.node.get_closest_marker("cai_sim") is None or "cai_sim" in request.fixturenames:
+        yield
+        return
+    request.getfixturevalue("cai_sim")
+    yield
