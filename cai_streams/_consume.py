@@ -79,7 +79,10 @@ class _Handoff:
                 self.view = view.with_stream(s.handle)
                 self._declare_stream_read(backend, s)
             return
-        if view.stream is None:
+        if view.stream is None:  # nothing pending: ready on the host and on any stream
+            if s is not None:
+                self.view = view.with_stream(s.handle)
+                self._declare_stream_read(backend, s)
             return
         self.producer = view.stream
         if s is not None:

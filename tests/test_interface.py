@@ -264,3 +264,37 @@ def test_fuzz_only_documented_errors_escape(entry: dict[str, Any]) -> None:
     except (cs.InterfaceError, TypeError):
         return
     assert isinstance(view.__cuda_array_interface__, dict)
+
+
+# -- the same rules through the consumer API, on every backend ---------------------
+
+
+@pytest.mark.parametrize(("label", "entry", "match"), INVALID, ids=[v[0] for v in INVALID])
+def test_invalid_through_consume(backend: cs.Backend, label: str, entry: Any, match: str) -> None:
+    import anyio
+
+    with pytest.raises(cs.InterfaceError, match=match):
+        cs.consume_blocking(Exports(entry))
+    for loop in ("asyncio", "trio"):
+        with pytest.raises(cs.InterfaceError, match=match):
+            anyio.run(lambda: cs.consume(Exports(entry)), backend=loop)
+
+
+@pytest.mark.parametrize(("label", "entry", "expected"), VALID, ids=[v[0] for v in VALID])
+def test_valid_through_consume(
+    backend: cs.Backend, label: str, entry: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    import anyio
+
+    producer = Exports(entry)
+    reference = parse(producer)
+    # sync=False: the view as read, the producer's stream included
+    assert cs.consume_blocking(producer, sync=False) == reference
+    assert anyio.run(lambda: cs.consume(producer, sync=False)) == reference
+    if reference.stream in (None, 1, 2):  # streams that exist on every backend
+        assert cs.consume_blocking(producer, timeout=20) == reference.with_stream(None)
+        for loop in ("asyncio", "trio"):
+            view = anyio.run(lambda: cs.consume(producer, timeout=20), backend=loop)
+            assert view == reference.with_stream(None)
+        s = cs.Stream()
+        assert cs.consume_blocking(producer, stream=s) == reference.with_stream(s.handle)
