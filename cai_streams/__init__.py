@@ -33,6 +33,8 @@ from ._scheduler import stats as stats
 from ._scheduler import track as track
 from ._stream import Event as Event
 from ._stream import Stream as Stream
+from ._trace import Trace as Trace
+from ._trace import trace as trace
 
 __all__ = (
     "ArrayView",
@@ -46,6 +48,7 @@ __all__ = (
     "KernelError",
     "PollPolicy",
     "Stream",
+    "Trace",
     "TrackedArray",
     "configure",
     "consume",
@@ -59,6 +62,7 @@ __all__ = (
     "sanitizing",
     "sim",
     "stats",
+    "trace",
     "track",
     "use_backend",
 )

@@ -57,9 +57,11 @@ class EventPool:
         self._pins: dict[int, int] = {}
         self.created = 0
         self.destroyed = 0
+        self.acquired = 0
 
     def acquire(self) -> int:
         with self._lock:
+            self.acquired += 1
             self._reclaim(limit=4)
             if self._free:
                 return self._free.pop()

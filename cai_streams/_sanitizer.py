@@ -41,8 +41,10 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Final
 
+from . import _observe
 from ._backend import Backend
 from ._errors import HazardError
+from ._observe import Observer
 
 __all__ = ["sanitize", "sanitizing"]
 
@@ -252,7 +254,6 @@ def _hazard(first: Access, second: Access, clock: Clock) -> HazardError:
 
 _state = _State()
 _switch = threading.Lock()
-_instrumented: dict[int, tuple[Backend, list[str]]] = {}
 
 #: True while the sanitizer is on (the hooks test it first; cheap when off)
 active = False
@@ -318,102 +319,59 @@ def forget(lo: int, hi: int) -> None:
         _state.forget(lo, hi)
 
 
-def _instrument(backend: Backend) -> None:
-    """Observe the backend's ordering calls: records, waits, synchronizations.
+class _Watcher(Observer):
+    """Turns the backend's ordering calls into vector-clock joins."""
 
-    Instance attributes shadow the class's methods while the sanitizer is on,
-    so nothing is paid when it is off.
-    """
-    if id(backend) in _instrumented:
-        return
-    cls = type(backend)
-    key = id(backend)
-
-    def enqueue(stream: int) -> Clock:
-        return _state.enqueue(backend, stream)
-
-    def record(event: int, stream: int) -> None:
-        cls.record(backend, event, stream)
+    def enqueue(self, backend: Backend, stream: int) -> None:
         with _state.lock:
-            _state.events[(key, event)] = dict(enqueue(stream))
+            _state.enqueue(backend, stream)
 
-    def stream_wait_event(stream: int, event: int) -> None:
-        cls.stream_wait_event(backend, stream, event)
+    def recorded(self, backend: Backend, event: int, stream: int) -> None:
         with _state.lock:
-            c = enqueue(stream)
-            captured = _state.events.get((key, event))
+            _state.events[(id(backend), event)] = dict(_state.enqueue(backend, stream))
+
+    def waited(self, backend: Backend, stream: int, event: int) -> None:
+        with _state.lock:
+            captured = _state.events.get((id(backend), event))
             if captured is not None:  # a never-recorded event orders nothing
-                _state.join(c, captured)
+                _state.join(_state.clock(_state.stream(backend, stream)), captured)
 
-    def observed(event: int) -> None:
+    def completed(self, backend: Backend, event: int) -> None:
         with _state.lock:
-            captured = _state.events.get((key, event))
+            captured = _state.events.get((id(backend), event))
             if captured is not None:
                 _state.join(_state.clock(_state.host()), captured)
 
-    def query(event: int) -> bool:
-        done = cls.query(backend, event)
-        if done:
-            observed(event)
-        return done
-
-    def synchronize_event(event: int) -> None:
-        cls.synchronize_event(backend, event)
-        observed(event)
-
-    def synchronize_stream(stream: int) -> None:
+    def before_stream_sync(self, backend: Backend, stream: int) -> object:
         with _state.lock:
-            snapshot = dict(_state.clock(_state.stream(backend, stream)))
-        cls.synchronize_stream(backend, stream)
+            return dict(_state.clock(_state.stream(backend, stream)))
+
+    def stream_synced(self, backend: Backend, stream: int, token: object) -> None:
+        assert isinstance(token, dict)
         with _state.lock:
-            _state.join(_state.clock(_state.host()), snapshot)
+            _state.join(_state.clock(_state.host()), token)
 
-    def destroy_event(event: int) -> None:
-        cls.destroy_event(backend, event)
+    def destroyed(self, backend: Backend, event: int) -> None:
         with _state.lock:
-            _state.events.pop((key, event), None)
+            _state.events.pop((id(backend), event), None)
 
-    wrappers: dict[str, Any] = {
-        "record": record,
-        "stream_wait_event": stream_wait_event,
-        "query": query,
-        "synchronize_event": synchronize_event,
-        "synchronize_stream": synchronize_stream,
-        "destroy_event": destroy_event,
-    }
-    if hasattr(cls, "launch"):
 
-        def launch(stream: int, fn: Any, name: str, duration: float) -> None:
-            with _state.lock:
-                enqueue(stream)
-            cls.launch(backend, stream, fn, name, duration)
-
-        wrappers["launch"] = launch
-    for name, fn in wrappers.items():
-        setattr(backend, name, fn)
-    _instrumented[key] = (backend, list(wrappers))
+_watcher = _Watcher()
 
 
 def _switch_to(on: bool) -> None:
     global active, _state
-    from . import _backend
     from ._backend import _sim
 
     if on and not active:
         _state = _State()
-        for backend in list(_backend._instances.values()):
-            _instrument(backend)
-        _backend.instrument = _instrument
+        _observe.add(_watcher)
         _sim.free_hooks.append(forget)
         active = True
     elif not on and active:
         active = False
-        _backend.instrument = None
+        _observe.remove(_watcher)
         _sim.free_hooks.remove(forget)
-        for backend, names in _instrumented.values():
-            for name in names:
-                backend.__dict__.pop(name, None)
-        _instrumented.clear()
 
 
 @contextmanager

@@ -478,7 +478,8 @@ def export(obj: object, *, stream: object = None) -> dict[str, Any]:
 def stats() -> dict[str, int]:
     """Counters of the current backend's scheduler (for tests and benchmarks).
 
-    ``events_created``, ``events_pooled`` (free for reuse), ``events_in_flight``
+    ``events_created``, ``events_acquired`` (handed out: the difference was
+    reused), ``events_pooled`` (free for reuse), ``events_in_flight``
     (handed out or not yet complete), ``joins`` (export waits), ``waits``
     (waits made by writing/reading blocks), ``waits_elided`` (pending work
     found complete), ``exports``, ``tracked``; and, for the shared poller of
@@ -492,6 +493,7 @@ def stats() -> dict[str, int]:
         "poll_queries": poll_counters.queries,
         "poll_wakes": poll_counters.wakes,
         "events_created": sched.pool.created,
+        "events_acquired": sched.pool.acquired,
         "events_pooled": sched.pool.free,
         "events_in_flight": sched.pool.in_flight,
         "joins": sched.joins,

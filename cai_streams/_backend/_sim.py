@@ -146,6 +146,8 @@ class _SimStream:
             del op
 
     def _run_kernel(self, fn: Callable[[], object], name: str, duration: float) -> None:
+        hooks = kernel_hooks
+        start = time.perf_counter() if hooks else 0.0
         delay = duration
         jitter = self._backend.jitter
         if jitter > 0:
@@ -158,10 +160,17 @@ class _SimStream:
             with self._cv:
                 if self._error is None:
                     self._error = KernelError(name, self.handle, exc)
+        if hooks:
+            end = time.perf_counter()
+            for hook in hooks:
+                hook(self.handle, name, start, end)
 
 
 #: called with (start, end) of every block freed (the sanitizer forgets it)
 free_hooks: list[Callable[[int, int], None]] = []
+#: called on the stream's worker with (stream, kernel name, start, end) in
+#: ``time.perf_counter()`` seconds after every kernel (the tracer records it)
+kernel_hooks: list[Callable[[int, str, float, float], None]] = []
 
 
 class _Allocations:
