@@ -14,19 +14,20 @@ to make ordering bugs show up more often as wrong data.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from . import _sanitizer
+from . import _backend, _sanitizer
 from ._backend import _instance
 from ._backend._sim import SimBackend
 from ._interface import ArrayView, byte_range, parse
 from ._stream import Stream, stream_handle_of
 
-__all__ = ["SimArray", "asarray", "device", "empty", "launch"]
+__all__ = ["SimArray", "asarray", "device", "empty", "launch", "simulated"]
 
 
 def device() -> SimBackend:
@@ -255,3 +256,32 @@ def _range(obj: object) -> tuple[int, int]:
 def _kernel_arg(arg: object) -> object:
     view = _numpy_view(arg)
     return arg if view is None else view
+
+
+@contextmanager
+def simulated(
+    *, sanitizer: bool = True, jitter: float | None = None, seed: int | None = None
+) -> Iterator[SimBackend]:
+    """Run the block on the simulated device, with the sanitizer on by default.
+
+    ``jitter`` and ``seed`` apply to streams made inside the block (``jitter``
+    to every kernel); both are restored afterwards, as is the backend that was
+    current. Does not block; enqueues nothing.
+    """
+    if jitter is not None and not jitter >= 0:
+        raise ValueError(f"jitter must be a non-negative number of seconds, got {jitter!r}")
+    previous = _backend._current
+    sim_device = device()
+    saved = (sim_device.jitter, sim_device.seed)
+    _backend.use_backend("sim")
+    if jitter is not None:
+        sim_device.jitter = float(jitter)
+    if seed is not None:
+        sim_device.seed = int(seed)
+    try:
+        with _sanitizer.sanitize(sanitizer):
+            yield sim_device
+    finally:
+        sim_device.jitter, sim_device.seed = saved
+        with _backend._lock:
+            _backend._current = previous

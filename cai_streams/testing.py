@@ -9,7 +9,8 @@ installed these are available in every test suite without an import:
   test that does not ask for the fixture (or for every test of a module, with
   ``pytestmark``); ``jitter`` is the largest random delay added to each kernel
   (seconds), ``seed`` makes that delay sequence repeat;
-* :func:`simulated`, the context manager behind both, for use outside pytest.
+* :func:`cai_streams.sim.simulated`, the context manager behind both, for
+  use outside pytest (also importable from here).
 
 A race in the pipeline raises :class:`~cai_streams.HazardError` at the
 offending access, on every run; the jitter makes the data wrong as well, the
@@ -19,46 +20,14 @@ way a GPU would when timing is unlucky. See ``docs/testing.md``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
-from . import _backend
 from ._backend._sim import SimBackend
-from ._sanitizer import sanitize
-from .sim import device
+from .sim import simulated
 
 __all__ = ["cai_sim", "simulated"]
-
-
-@contextmanager
-def simulated(
-    *, sanitizer: bool = True, jitter: float | None = None, seed: int | None = None
-) -> Iterator[SimBackend]:
-    """Run the block on the simulated device, with the sanitizer on by default.
-
-    ``jitter`` and ``seed`` apply to streams made inside the block (``jitter``
-    to every kernel); both are restored afterwards, as is the backend that was
-    current. Does not block; enqueues nothing.
-    """
-    if jitter is not None and not jitter >= 0:
-        raise ValueError(f"jitter must be a non-negative number of seconds, got {jitter!r}")
-    previous = _backend._current
-    sim_device = device()
-    saved = (sim_device.jitter, sim_device.seed)
-    _backend.use_backend("sim")
-    if jitter is not None:
-        sim_device.jitter = float(jitter)
-    if seed is not None:
-        sim_device.seed = int(seed)
-    try:
-        with sanitize(sanitizer):
-            yield sim_device
-    finally:
-        sim_device.jitter, sim_device.seed = saved
-        with _backend._lock:
-            _backend._current = previous
 
 
 def pytest_configure(config: pytest.Config) -> None:

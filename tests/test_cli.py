@@ -1,27 +1,58 @@
+"""python -m cai_streams demo: the pipeline, its summary, its trace and its timeline."""
+
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
+
+import cai_streams as cs
 from cai_streams.__main__ import main
 
 
-def test_demo_runs_and_reports() -> None:
+def test_demo_runs_and_reports(tmp_path: Path) -> None:
+    trace_file, png = tmp_path / "trace.json", tmp_path / "timeline.png"
     out = subprocess.run(
-        [sys.executable, "-m", "cai_streams", "demo", "--rounds", "3", "--seed", "7"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+        [sys.executable, "-m", "cai_streams", "demo", "--batches", "12", "--seed", "7",
+         "--trace", str(trace_file), "--plot", str(png)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "jitter seed 7" in out.stdout
-    assert "wrong sums: 0" in out.stdout
+    for row in ("batches", "throughput", "stream overlap", "host waits", "wake latency",
+                "events", "wrong batches   0"):  # fmt: skip
+        assert row in out.stdout, out.stdout
+    assert "12/12 batches" in out.stderr  # the progress bar
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    tracks = [e["args"]["name"] for e in events if e.get("name") == "thread_name"]
+    assert tracks[0] == "host" and sum(t.startswith(("copy", "compute")) for t in tracks) == 3
+    kernels = {e["name"] for e in events if e.get("cat") == "kernel"}
+    assert kernels == {"h2d copy", "preprocess"}
+    flows = [e for e in events if e["ph"] in ("s", "f")]
+    assert any(e["ph"] == "f" for e in flows)  # arrows from records to their waits
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_rejects_bad_rounds(capsys: object) -> None:
-    try:
-        main(["demo", "--rounds", "0"])
-    except SystemExit as exc:
-        assert exc.code == 2
-    else:
-        raise AssertionError("--rounds 0 was accepted")
+def test_plot_without_matplotlib_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with cs.trace() as recording:
+        pass
+    with pytest.raises(RuntimeError, match=r"pip install 'cai-streams\[plot\]'"):
+        recording.plot(tmp_path / "x.png")
+
+
+@pytest.mark.parametrize("option", ["--batches", "--buffers"])
+def test_demo_rejects_bad_counts(option: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", option, "0"])
+    assert info.value.code == 2
+
+
+def test_demo_on_cuda_says_it_is_simulated(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--backend", "cuda"]) == 2
+    assert "--backend sim" in capsys.readouterr().out
