@@ -1,0 +1,57 @@
+"""Every example runs (with the sanitizer on) and says what it should."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cai_streams._backend import _backend_class
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+HAS_GPU = _backend_class("cuda").unavailable_reason() is None
+
+EXPECTED = {
+    "multi_stream_producer.py": ["events joined onto it: 3", "sum seen by the consumer: 6144"],
+    "data_loading_pipeline.py": ["batches/s", "streams overlapped", "wrong batches: 0"],
+    "async_service.py": [
+        "await cs.consume: 500 requests answered",
+        "blocking synchronize: 500 requests answered",
+    ],  # fmt: skip
+    "trio_pipeline.py": [
+        "every one complete",
+        "raised TimeoutError",
+        "in flight after the abandoned waits: 0",
+    ],  # fmt: skip
+}
+INTEROP = ["interop_cupy.py", "interop_torch.py", "interop_numba.py"]
+
+
+def _run(name: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CAI_STREAMS_SANITIZE": "1"}
+    return subprocess.run([sys.executable, str(EXAMPLES / name)], env=env, cwd=EXAMPLES,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_every_example_is_covered() -> None:
+    found = {p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")}
+    assert found == set(EXPECTED) | set(INTEROP)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_example_runs(name: str) -> None:
+    out = _run(name)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for line in EXPECTED[name]:
+        assert line in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("name", INTEROP)
+def test_interop_example(name: str) -> None:
+    out = _run(name)
+    assert out.returncode == 0, out.stdout + out.stderr
+    if not HAS_GPU:
+        assert "needs a CUDA GPU" in out.stdout
