@@ -19,7 +19,7 @@ import anyio
 import numpy as np
 
 from . import sim
-from ._consume import consume
+from ._consume import consume, consume_blocking
 from ._scheduler import TrackedArray, stats, track
 from ._stream import Stream
 from ._trace import Trace, trace
@@ -78,9 +78,15 @@ def _copy_in(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
 
 
 async def data_loading_pipeline(
-    *, batches: int, buffers: int, recording: Trace, out: TextIO | None = None
-) -> Summary:
-    """Run the pipeline on the current (simulated) device; report what it did."""
+    *, batches: int, buffers: int, recording: Trace, out: TextIO | None = None,
+    blocking: bool = False,
+) -> Summary:  # fmt: skip
+    """Run the pipeline on the current (simulated) device; report what it did.
+
+    ``blocking=True`` is the same pipeline with the consumer written the way a
+    CuPy or Numba consumer is: a blocking host wait inside the coroutine (the
+    benchmarks' peer).
+    """
     rng = np.random.default_rng(0)
     bases = [rng.random(SHAPE, dtype=np.float32) for _ in range(4)]
     sums = [float(b.sum(dtype=np.float64)) for b in bases]
@@ -126,7 +132,10 @@ async def data_loading_pipeline(
         async with ready_recv, free_send:
             async for i, slot in ready_recv:
                 asked = time.perf_counter()
-                view = await consume(outputs[slot], timeout=60)
+                if blocking:
+                    view = consume_blocking(outputs[slot], timeout=60)
+                else:
+                    view = await consume(outputs[slot], timeout=60)
                 resumed = time.perf_counter()
                 data = sim._numpy_view(view)
                 assert data is not None

@@ -1,0 +1,245 @@
+"""Every benchmark, beside its peers, in one run: one table, a JSON file and a plot.
+
+    python benchmarks/run.py --backend sim [--quick] [--out DIR]
+
+Writes DIR/<backend>-<date>.json (the machine, package versions, and each figure
+as the median of its repeats with its spread, max - min) and DIR/<backend>-<date>.png
+(wake latency and loop lag against the number of waiters). ``--quick`` uses fewer
+repeats and iterations (under two minutes on a 2-core CPU machine). Ratios are
+what carries between machines; absolute times count only from a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and the project importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cai_streams as cs  # noqa: E402
+from benchmarks import bench_consume, bench_export, bench_interface, bench_sanitizer  # noqa: E402
+from cai_streams import sim  # noqa: E402
+from cai_streams._backend import _backend_class  # noqa: E402
+
+Figure = dict[str, float]  # {"median": ..., "spread": ...}
+Result = dict[str, Any]  # {"benchmark", "case", "method", "figures": {name: Figure}}
+
+
+def _fig(values: Sequence[float]) -> Figure:
+    return {"median": float(np.median(values)), "spread": float(max(values) - min(values))}
+
+
+def _result(benchmark: str, case: str, method: str, **figures: Sequence[float]) -> Result:
+    return {"benchmark": benchmark, "case": case, "method": method,
+            "figures": {k: _fig(v) for k, v in figures.items()}}  # fmt: skip
+
+
+def handoff(quick: bool) -> list[Result]:
+    """Host overhead of a handoff: parse, export with 0/1/3/8 pending streams,
+    consume in host and enqueue mode, beside the floors."""
+    repeats = 3 if quick else 5
+    results: list[Result] = []
+    rows = [bench_interface.main() for _ in range(repeats)]
+    for i, (label, _, _) in enumerate(rows[0]):
+        results.append(_result("handoff", label, "cai_streams", us=[r[i][1] for r in rows]))
+        results.append(_result("handoff", label, "floor: read the interface",
+                               us=[r[i][2] for r in rows]))  # fmt: skip
+    iterations = 100 if quick else 300
+    for k in (0, 1, 3, 8):
+        runs = [bench_export.measure(k, iterations) for _ in range(repeats)]
+        case = f"export, {k} pending streams"
+        results.append(_result("handoff", case, "cai_streams", us=[r[0] for r in runs]))
+        results.append(_result("handoff", case, "floor: hand-written record + wait",
+                               us=[r[1] for r in runs]))  # fmt: skip
+    results += _consume_overhead(repeats, 200 if quick else 1000)
+    return results
+
+
+def _consume_overhead(repeats: int, n: int) -> list[Result]:
+    backend = cs.current_backend()
+    producer_stream, mine = cs.Stream(), cs.Stream()
+    arr = sim.empty(1024)
+    arr.stream = producer_stream.handle
+    tracked = cs.track(sim.empty(1024))
+    event = backend.create_event()
+
+    def per_call(fn: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - start) / n * 1e6
+
+    def hand_written() -> None:
+        backend.record(event, producer_stream.handle)
+        backend.stream_wait_event(mine.handle, event)
+
+    cases: dict[str, dict[str, Callable[[], object]]] = {
+        "consume, enqueue mode": {
+            "cai_streams": lambda: cs.consume_blocking(arr, stream=mine),
+            "floor: hand-written record + wait": hand_written,
+        },
+        "consume, host mode, work complete": {
+            "cai_streams": lambda: cs.consume_blocking(tracked),
+            "floor: read the interface": lambda: arr.__cuda_array_interface__,
+        },
+    }
+    results = []
+    for case, methods in cases.items():
+        for method, fn in methods.items():
+            results.append(_result("handoff", case, method,
+                                   us=[per_call(fn) for _ in range(repeats)]))  # fmt: skip
+    mine.synchronize()
+    backend.destroy_event(event)
+    return results
+
+
+def waiting(quick: bool) -> list[Result]:
+    sizes = [1, 100, 1000, 10000]
+    results = []
+    for row, spread in bench_consume.run(sizes, 1 if quick else 3):
+        figures = {k: v for k, v in vars(row).items() if k not in ("method", "waiters")}
+        results.append({
+            "benchmark": "waiting", "case": f"{row.waiters} waiters", "method": row.method,
+            "figures": {k: {"median": v, "spread": spread[k]} for k, v in figures.items()},
+        })  # fmt: skip
+    return results
+
+
+def pipeline(quick: bool) -> list[Result]:
+    from cai_streams._demo import COMPUTE_TIME, COPY_TIME, data_loading_pipeline
+
+    batches = 32 if quick else 96
+    repeats = 2 if quick else 3
+    per: dict[str, list[float]] = {"cai_streams (await consume)": [], "blocking host wait": []}
+    overlap: dict[str, list[float]] = {k: [] for k in per}
+    for _ in range(repeats):
+        for method, blocking in (("cai_streams (await consume)", False),
+                                 ("blocking host wait", True)):  # fmt: skip
+            with cs.sanitize(False), sim.simulated(sanitizer=False), cs.trace() as tr:
+                summary = anyio.run(partial(data_loading_pipeline, batches=batches, buffers=4,
+                                            recording=tr, blocking=blocking))  # fmt: skip
+            assert summary.wrong == 0
+            per[method].append(summary.per_second)
+            overlap[method].append(summary.overlap)
+    results = [_result("pipeline", f"{batches} batches of 1 MiB", m, batches_per_s=v,
+                       overlap=overlap[m]) for m, v in per.items()]  # fmt: skip
+    ideal = 1 / max(COPY_TIME / 2, COMPUTE_TIME)
+    results.append(_result("pipeline", f"{batches} batches of 1 MiB",
+                           "ideal bound max(copy, compute)", batches_per_s=[ideal]))  # fmt: skip
+    return results
+
+
+def sanitizer(quick: bool) -> list[Result]:
+    runs = [bench_sanitizer.run(1000 if quick else 4000) for _ in range(1 if quick else 3)]
+    return [_result("sanitizer", "declared access", "cai_streams",
+                    per_access_us=[r["per_access_us"] for r in runs],
+                    launch_off_us=[r["launch_off_us"] for r in runs],
+                    launch_on_us=[r["launch_on_us"] for r in runs])]  # fmt: skip
+
+
+def machine() -> dict[str, Any]:
+    versions = {}
+    for package in ("numpy", "anyio", "trio", "cuda-python", "cupy-cuda12x", "matplotlib"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
+            "python": platform.python_version(), "cai_streams": cs.__version__,
+            "packages": versions}  # fmt: skip
+
+
+def table(results: Sequence[Result]) -> str:
+    lines = ["| benchmark | case | method | figures (median ± spread) |", "|---|---|---|---|"]
+    for r in results:
+        figs = ", ".join(f"{k} {v['median']:.3g} ± {v['spread']:.2g}"
+                         for k, v in r["figures"].items())  # fmt: skip
+        lines.append(f"| {r['benchmark']} | {r['case']} | {r['method']} | {figs} |")
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[Result], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install 'cai-streams[plot]')")
+        return False
+    rows = [r for r in results if r["benchmark"] == "waiting"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == method]
+        n = [int(r["case"].split()[0]) for r in mine]
+        for ax, key in zip(axes, ("wake_p99_ms", "lag_p99_ms"), strict=True):
+            ax.plot(n, [max(r["figures"][key]["median"], 1e-3) for r in mine], marker="o",
+                    label=method)  # fmt: skip
+    for ax, title in zip(axes, ("wake latency p99 (ms)", "event-loop lag p99 (ms)"), strict=True):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent waiters")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="cai_streams benchmarks beside their peers")
+    parser.add_argument("--backend", choices=("sim", "cuda"), default="sim")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (CI-sized)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    if args.backend == "cuda":
+        reason = _backend_class("cuda").unavailable_reason()
+        print(f"--backend cuda: {reason or 'a device is usable, but'} the cuda variants of these"
+              " benchmarks (CuPy kernels and the peers cupy.asarray, torch.as_tensor,"
+              " numba.cuda.as_cuda_array, StridedMemoryView, async_done) are not written yet:"
+              " they need a session with a GPU to be written and checked")  # fmt: skip
+        return 2
+    cs.use_backend("sim")
+    started = time.perf_counter()
+    results: list[Result] = []
+    for name, bench in (("handoff", handoff), ("waiting", waiting), ("pipeline", pipeline),
+                        ("sanitizer", sanitizer)):  # fmt: skip
+        t0 = time.perf_counter()
+        with cs.sanitize(False):
+            results += bench(args.quick)
+        print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{args.backend}-{datetime.date.today().isoformat()}"
+    report = {"backend": args.backend, "quick": args.quick, "date": stem.split("-", 1)[1],
+              "seconds": time.perf_counter() - started, "machine": machine(),
+              "results": results}  # fmt: skip
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    print(table(results))
+    plotted = plot(results, args.out / f"{stem}.png")
+    print(f"\nwrote {args.out / (stem + '.json')}" + (f" and {stem}.png" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
