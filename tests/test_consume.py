@@ -266,7 +266,7 @@ async def test_cancelled_waiters_leak_nothing_and_keep_owners_alive(ops: DeviceO
     base = _baseline()
     s = cs.Stream()
     latch = ops.latch(s)
-    n = 200
+    n = 1000
     producers = [_on(ops, np.zeros(4, "float32"), s)[1] for _ in range(n)]
     owner = weakref.ref(producers[0].owner)  # the device array behind the view
     done = 0

@@ -142,16 +142,12 @@ RACY: dict[str, tuple[Callable[[], None], str]] = {
 }
 
 
-@pytest.mark.parametrize("jitter", [0.0, 0.0005, 0.003])
+@pytest.mark.parametrize(("jitter", "seed"), [(0.0, 0), (0.0005, 1), (0.003, 2), (0.003, 3)])
 @pytest.mark.parametrize("name", list(RACY))
-def test_racy_programs_are_flagged_on_every_run(name: str, jitter: float) -> None:
+def test_racy_programs_are_flagged_on_every_run(name: str, jitter: float, seed: int) -> None:
     program, needle = RACY[name]
-    sim.device().jitter, saved = jitter, sim.device().jitter
-    try:
-        with pytest.raises(cs.HazardError) as info:
-            program()
-    finally:
-        sim.device().jitter = saved
+    with sim.simulated(jitter=jitter, seed=seed), pytest.raises(cs.HazardError) as info:
+        program()
     message = str(info.value)
     assert needle in message
     assert message.count(HERE) == 2, message  # both accesses, each with its line
@@ -271,16 +267,13 @@ CLEAN: dict[str, Callable[[], None]] = {
 }
 
 
-@pytest.mark.parametrize("jitter", [0.0, 0.003])
+@pytest.mark.parametrize(("jitter", "seed"), [(0.0, 0), (0.003, 1), (0.003, 2)])
 @pytest.mark.parametrize("name", list(CLEAN))
-def test_correct_programs_are_never_flagged(name: str, jitter: float) -> None:
-    sim.device().jitter, saved = jitter, sim.device().jitter
-    try:
+def test_correct_programs_are_never_flagged(name: str, jitter: float, seed: int) -> None:
+    with sim.simulated(jitter=jitter, seed=seed):
         before = _sanitizer.checks()
         CLEAN[name]()
         assert _sanitizer.checks() > before  # it did look
-    finally:
-        sim.device().jitter = saved
 
 
 # -- switching it on and off -----------------------------------------------------------
