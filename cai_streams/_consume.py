@@ -25,7 +25,7 @@ from ._config import settings
 from ._events import Mark, record
 from ._interface import ArrayView, byte_range, parse
 from ._poller import check_timeout, wait_blocking, wait_for_events
-from ._scheduler import TrackedArray, _Access, _Scheduler, lookup, scheduler_for
+from ._scheduler import TrackedArray, _Access, _Scheduler, as_stream, lookup, scheduler_for
 from ._stream import Stream
 
 __all__ = ["consume", "consume_all", "consume_blocking", "consuming"]
@@ -39,13 +39,6 @@ def _sync_flag(sync: object) -> bool:
     return sync
 
 
-def _consumer_stream(stream: object, backend: Backend) -> Stream:
-    s = stream if isinstance(stream, Stream) else Stream.wrap(stream)
-    if s.backend is not backend:
-        raise ValueError(f"{s!r} is on the {s.backend.name!r} backend, not {backend.name!r}")
-    return s
-
-
 class _Handoff:
     """One array being consumed: the view to return, what the host must wait
     for, and how to let go of it afterwards, whatever happened."""
@@ -56,7 +49,7 @@ class _Handoff:
     def __init__(self, obj: object, stream: object, sync: object, backend: Backend) -> None:
         synced = _sync_flag(sync)
         self.sched: _Scheduler = scheduler_for(backend)
-        self.stream = None if stream is None else _consumer_stream(stream, backend)
+        self.stream = None if stream is None else as_stream(stream, backend)
         self.tracked: TrackedArray | None = lookup(obj, backend)
         self.view: ArrayView = parse(obj) if self.tracked is None else self.tracked.view
         self.events: list[tuple[int, Mark | None]] = []  # what the host waits for

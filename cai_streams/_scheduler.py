@@ -145,10 +145,11 @@ def scheduler_for(backend: Backend) -> _Scheduler:
     return found
 
 
-def _as_stream(stream: object, backend: Backend) -> Stream:
+def as_stream(stream: object, backend: Backend) -> Stream:
+    """``stream`` (a Stream or anything Stream.wrap takes) as a Stream of ``backend``."""
     s = stream if isinstance(stream, Stream) else Stream.wrap(stream)
     if s.backend is not backend:
-        raise ValueError(f"{s!r} is on another backend than the tracked array")
+        raise ValueError(f"{s!r} is on the {s.backend.name!r} backend, not {backend.name!r}")
     return s
 
 
@@ -224,7 +225,7 @@ class TrackedArray:
         ordered after other writes, so the writers run concurrently, and an
         export joins them all. Only enqueues GPU work; never blocks the host.
         """
-        s = _as_stream(stream, self._sched.backend)
+        s = as_stream(stream, self._sched.backend)
         with self._exclusive("writing()"):
             with self._lock:
                 conflicting = [*self._reads.values()]
@@ -266,7 +267,7 @@ class TrackedArray:
         the read is recorded as pending, so a later write elsewhere waits for it
         (write after read). Only enqueues GPU work; never blocks the host.
         """
-        s = _as_stream(stream, self._sched.backend)
+        s = as_stream(stream, self._sched.backend)
         with self._exclusive("reading()"):
             with self._lock:
                 writes = list(self._writes.values())
@@ -342,7 +343,7 @@ class TrackedArray:
         if not settings.export_stream:
             return cai
         sched = self._sched
-        x = self.export_stream if stream is None else _as_stream(stream, sched.backend)
+        x = self.export_stream if stream is None else as_stream(stream, sched.backend)
         with self._lock:
             sched.exports += 1
             pending = sched.order_after(x, [*self._writes.values(), *self._reads.values()],
@@ -406,7 +407,7 @@ def track(obj: object, stream: object = None) -> TrackedArray:
     sched = scheduler_for(backend)
     found = sched.registry.get(id(obj))
     if found is not None and found.array is obj:
-        if stream is not None and _as_stream(stream, backend) != found.export_stream:
+        if stream is not None and as_stream(stream, backend) != found.export_stream:
             raise ValueError(
                 f"{obj!r} is already tracked with export stream {found.export_stream!r}"
             )
@@ -416,7 +417,7 @@ def track(obj: object, stream: object = None) -> TrackedArray:
     s = _setters
     s["array"](t, obj)
     s["view"](t, view)
-    s["export_stream"](t, sched.export_stream if stream is None else _as_stream(stream, backend))
+    s["export_stream"](t, sched.export_stream if stream is None else as_stream(stream, backend))
     s["_sched"](t, sched)
     s["_lock"](t, threading.RLock())
     s["_block"](t, threading.Lock())
@@ -463,7 +464,7 @@ def export(obj: object, *, stream: object = None) -> dict[str, Any]:
     cai = view.with_stream(None).__cuda_array_interface__
     if not settings.export_stream or view.stream is None:
         return cai
-    x = sched.export_stream if stream is None else _as_stream(stream, backend)
+    x = sched.export_stream if stream is None else as_stream(stream, backend)
     sched.exports += 1
     if view.stream != x.handle:
         sched.join(x.handle, view.stream, keepalive=x)
