@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -538,3 +538,33 @@ def test_poll_policy_delays() -> None:
     assert [next(delays) for _ in range(6)] == [0.0, 0.0001, 0.0002, 0.0004, 0.0005, 0.0005]
     low = iter(cs.PollPolicy.low_latency().delays())
     assert {next(low) for _ in range(5)} == {0.0}
+
+
+def test_a_stream_of_another_backend_is_refused_everywhere() -> None:
+    """consume(stream=), writing()/reading() and export(stream=) share one check:
+    a stream must belong to the backend of the array it is ordered with."""
+    from cai_streams import _backend
+    from cai_streams._backend._sim import SimBackend
+
+    cs.use_backend("sim")
+    other = SimBackend(jitter=0.0)
+    saved, _backend._current = _backend._current, other
+    try:
+        foreign = cs.Stream()
+    finally:
+        _backend._current = saved
+    try:
+        arr = sim.empty(8)
+        t = cs.track(sim.empty(8))
+        calls: list[Callable[[], object]] = [
+            lambda: cs.consume_blocking(arr, stream=foreign),
+            lambda: t.writing(foreign).__enter__(),
+            lambda: t.reading(foreign).__enter__(),
+            lambda: t.export(foreign),
+        ]
+        for call in calls:
+            with pytest.raises(ValueError, match=r"is on the 'sim' backend, not 'sim'"):
+                call()
+    finally:
+        foreign.close()
+        other.close()
