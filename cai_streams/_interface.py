@@ -34,14 +34,24 @@ def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def extent(
+    ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int
+) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` an array of this layout can touch (empty for zero-size)."""
+    lo = hi = ptr
+    for n, s in zip(shape, strides, strict=True):
+        if n == 0:
+            return (ptr, ptr)
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
+    return (lo, hi + itemsize)
+
+
 def byte_range(view: ArrayView) -> tuple[int, int]:
     """The bytes ``[lo, hi)`` that ``view`` can touch (empty for zero-size)."""
-    if view.size == 0:
-        return (view.ptr, view.ptr)
-    pairs = list(zip(view.shape, view.strides, strict=True))
-    lo = view.ptr + sum(min(0, (n - 1) * s) for n, s in pairs)
-    hi = view.ptr + sum(max(0, (n - 1) * s) for n, s in pairs) + view.dtype.itemsize
-    return (lo, hi)
+    return extent(view.ptr, view.shape, view.strides, view.dtype.itemsize)
 
 
 def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:

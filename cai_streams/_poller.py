@@ -173,7 +173,7 @@ class _Poller:
         if mark is None:
             return False
         queue = self.queues.get((id(backend), mark.key))
-        return bool(queue) and queue[0].seq < mark.seq  # type: ignore[index]
+        return queue is not None and len(queue) > 0 and queue[0].seq < mark.seq
 
     def remove(self, entry: _Entry, waiter: anyio.Event) -> None:
         """A waiter gave up (cancelled or timed out). Its entry stays queued
@@ -226,9 +226,7 @@ class _Poller:
                 counters.queries += 1
                 try:
                     done = entry.backend.query(entry.event)
-                except CudaError:
-                    done = entry.error = True
-                except Exception:  # a broken backend must not strand the waiters
+                except Exception:  # CudaError, or a broken backend: never strand waiters
                     done = entry.error = True
                 if not done:
                     break

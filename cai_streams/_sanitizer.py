@@ -328,7 +328,8 @@ class _Watcher(Observer):
 
     def recorded(self, backend: Backend, event: int, stream: int) -> None:
         with _state.lock:
-            _state.events[(id(backend), event)] = dict(_state.enqueue(backend, stream))
+            # enqueue() already joined the host into the stream: capture its clock
+            _state.events[(id(backend), event)] = dict(_state.clock(_state.stream(backend, stream)))
 
     def waited(self, backend: Backend, stream: int, event: int) -> None:
         with _state.lock:

@@ -24,7 +24,7 @@ from numpy.typing import ArrayLike, DTypeLike
 from . import _backend, _sanitizer
 from ._backend import _instance
 from ._backend._sim import SimBackend
-from ._interface import ArrayView, byte_range, parse
+from ._interface import ArrayView, byte_range, extent, parse
 from ._stream import Stream, stream_handle_of
 
 __all__ = ["SimArray", "asarray", "device", "empty", "launch", "simulated"]
@@ -242,12 +242,7 @@ def launch(
 def _range(obj: object) -> tuple[int, int]:
     if isinstance(obj, SimArray):  # the common case, without building an ArrayView
         v = obj._view
-        if v.size == 0:
-            return (0, 0)
-        lo = hi = int(v.ctypes.data)
-        for n, st in zip(v.shape, v.strides, strict=True):
-            lo, hi = (lo + (n - 1) * st, hi) if st < 0 else (lo, hi + (n - 1) * st)
-        return (lo, hi + v.itemsize)
+        return extent(int(v.ctypes.data), v.shape, v.strides, v.itemsize)
     view = _interface_of(obj)
     assert view is not None
     return byte_range(view)
