@@ -10,6 +10,7 @@ latch spins on a host-mapped flag).
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -18,6 +19,7 @@ import cai_streams as cs
 from cai_streams import sim
 
 LATCH_TIMEOUT = 20.0
+KERNELS = Path(__file__).resolve().parent / "kernels"
 
 
 class Latch(Protocol):
@@ -35,6 +37,7 @@ class DeviceOps(Protocol):
     def shift_in(self, stream: cs.Stream, arr: Any, digit: int, duration: float = 0.0) -> None: ...
     def sum_into(self, stream: cs.Stream, out: Any, src: Any) -> None: ...
     def latch(self, stream: cs.Stream) -> Latch: ...
+    def release_all(self) -> None: ...
     def fail(self, stream: cs.Stream) -> None: ...
 
 
@@ -93,10 +96,19 @@ class SimOps:
 
         sim.launch(stream, total, out, src, reads=[src], writes=[out])
 
+    def __init__(self) -> None:
+        self._held: list[_SimLatch] = []
+
     def latch(self, stream: cs.Stream) -> _SimLatch:
         latch = _SimLatch()
         sim.launch(stream, latch.kernel, name="latch")
+        self._held.append(latch)
         return latch
+
+    def release_all(self) -> None:
+        held, self._held = self._held, []
+        for latch in held:
+            latch.release()
 
     def fail(self, stream: cs.Stream) -> None:
         def broken() -> None:
@@ -106,99 +118,203 @@ class SimOps:
 
 
 class CupyOps:  # pragma: no cover - runs in the GPU tier only
-    name = "cuda"
+    """The same kernels on a real device, through CuPy.
 
-    def __init__(self) -> None:
+    Behaves like :class:`SimOps` and never synchronizes more than it must, so a
+    held (latched) stream cannot deadlock the test's own thread:
+
+    * ``array`` and ``to_host`` copy on the legacy stream and synchronize only
+      it (like ``cudaMemcpy``), which never waits for the non-blocking streams
+      the tests make;
+    * every kernel argument reaches CuPy without a CAI ``stream``: the ordering
+      is what the test enqueued, and CuPy would otherwise block the host in
+      ``cudaStreamSynchronize`` on the view's stream;
+    * every kernel is compiled and loaded once, before any latch is held
+      (loading a module may synchronize the context), and the latch flags are
+      pinned memory allocated once (a pinned allocation may synchronize too);
+    * a latch gives up after ``LATCH_TIMEOUT`` (read from ``%globaltimer``) and
+      says so at teardown, so a test that forgets to release it fails instead
+      of hanging the rest of the run.
+    """
+
+    name = "cuda"
+    _SLOTS = 4096
+    _shared: CupyOps | None = None
+
+    def __new__(cls) -> CupyOps:
+        if cls._shared is None:  # one compile, one pinned block per process
+            self = super().__new__(cls)
+            self._setup()
+            cls._shared = self
+        return cls._shared
+
+    def _setup(self) -> None:
         import cupy
 
         self.cp = cupy
-        self._spin = cupy.RawKernel(
-            r"""
-            extern "C" __global__ void spin(long long cycles) {
-                long long start = clock64();
-                while (clock64() - start < cycles) { }
-            }""",
-            "spin",
-        )
-        self._wait_flag = cupy.RawKernel(
-            r"""
-            extern "C" __global__ void wait_flag(volatile int* flag) {
-                while (*flag == 0) { __nanosleep(1000); }
-            }""",
-            "wait_flag",
-        )
-        rate_khz = cupy.cuda.runtime.deviceGetAttribute(13, 0)  # cudaDevAttrClockRate, kHz
-        self._cycles_per_s = rate_khz * 1000
+        source = (KERNELS / "device_ops.cu").read_text()
+        module = cupy.RawModule(code=source, options=("-std=c++17",))
+        self._spin = module.get_function("spin")
+        self._wait_flag = module.get_function("wait_flag")
+        # flags[0::2]: released, flags[1::2]: expired
+        self._pinned = cupy.cuda.alloc_pinned_memory(8 * self._SLOTS)
+        self._flags = np.frombuffer(self._pinned, dtype=np.int32, count=2 * self._SLOTS)
+        self._flags[...] = 0
+        self._next_slot = 0
+        self._held: list[int] = []
+        self._lock = threading.Lock()
+        self._warm_up()
 
-    def _on(self, stream: cs.Stream) -> Any:
+    def _warm_up(self) -> None:
+        """Run every kernel the tests use once, with no stream held."""
+        cp = self.cp
+        null = cp.cuda.Stream.null
+        for dtype in ("float32", "float64"):
+            for size in (1, 4, 64, 256, 300):
+                x = cp.zeros(size, dtype)
+                y = cp.zeros(size, dtype)
+                self._fill(null, x, 1.0)
+                self._add(null, x, 1.0)
+                self._shift_in(null, x, 3)
+                self._copy(null, y, x)
+                self._sum_into(null, y[:1], x)
+                cp.asnumpy(x[1:], stream=null)
+        with null:
+            self._spin((1,), (1,), (np.uint64(1000),))
+            slot = self._take_slot()
+            self._flags[2 * slot] = 1
+            self._launch_latch(slot)
+        null.synchronize()
+
+    def _stream(self, stream: cs.Stream) -> Any:
         return self.cp.cuda.Stream.from_external(stream)
+
+    def _cupy(self, obj: Any) -> Any:
+        """``obj`` as a CuPy array, without letting CuPy synchronize on its stream."""
+        if isinstance(obj, self.cp.ndarray):
+            return obj
+        return self.cp.asarray(cs.read_interface(obj).with_stream(None))
 
     def _delay(self, s: Any, duration: float) -> None:
         if duration > 0:
             with s:
-                self._spin((1,), (1,), (np.int64(duration * self._cycles_per_s),))
+                self._spin((1,), (1,), (np.uint64(int(duration * 1e9)),))
 
     def array(self, host: np.ndarray[Any, Any]) -> Any:
-        out = self.cp.asarray(host)
-        self.cp.cuda.runtime.deviceSynchronize()
+        # cudaMemcpy from pageable memory (legacy stream), not cupy.asarray:
+        # that stages through CuPy's pinned pool, and a new pinned block
+        # (cudaHostAlloc) waits for every running kernel, a held latch included.
+        src = np.ascontiguousarray(host)
+        out = self.cp.empty(src.shape, src.dtype)
+        if src.nbytes:
+            out.data.copy_from_host(src.ctypes.data, src.nbytes)
         return out
 
     def to_host(self, arr: Any) -> np.ndarray[Any, Any]:
-        self.cp.cuda.runtime.deviceSynchronize()
-        out: np.ndarray[Any, Any] = self.cp.asnumpy(self.cp.asarray(arr))
+        null = self.cp.cuda.Stream.null
+        out: np.ndarray[Any, Any] = self.cp.asnumpy(self._cupy(arr), stream=null)
+        null.synchronize()
         return out
 
-    def fill(self, stream: cs.Stream, arr: Any, value: float, duration: float = 0.0) -> None:
-        s = self._on(stream)
-        self._delay(s, duration)
+    def _fill(self, s: Any, arr: Any, value: float) -> None:
         with s:
-            self.cp.asarray(arr).fill(value)
+            self._cupy(arr).fill(value)
 
-    def add(self, stream: cs.Stream, arr: Any, value: float, duration: float = 0.0) -> None:
-        s = self._on(stream)
-        self._delay(s, duration)
+    def _add(self, s: Any, arr: Any, value: float) -> None:
         with s:
-            a = self.cp.asarray(arr)
+            a = self._cupy(arr)
             a += value
 
-    def copy(self, stream: cs.Stream, dst: Any, src: Any, duration: float = 0.0) -> None:
-        s = self._on(stream)
-        self._delay(s, duration)
+    def _copy(self, s: Any, dst: Any, src: Any) -> None:
         with s:
-            self.cp.copyto(self.cp.asarray(dst), self.cp.asarray(src))
+            self.cp.copyto(self._cupy(dst), self._cupy(src))
 
-    def shift_in(self, stream: cs.Stream, arr: Any, digit: int, duration: float = 0.0) -> None:
-        s = self._on(stream)
-        self._delay(s, duration)
+    def _shift_in(self, s: Any, arr: Any, digit: int) -> None:
         with s:
-            a = self.cp.asarray(arr)
+            a = self._cupy(arr)
             a *= 10
             a += digit
 
+    def _sum_into(self, s: Any, out: Any, src: Any) -> None:
+        with s:
+            self._cupy(out)[...] = self._cupy(src).sum()
+
+    def fill(self, stream: cs.Stream, arr: Any, value: float, duration: float = 0.0) -> None:
+        s = self._stream(stream)
+        self._delay(s, duration)
+        self._fill(s, arr, value)
+
+    def add(self, stream: cs.Stream, arr: Any, value: float, duration: float = 0.0) -> None:
+        s = self._stream(stream)
+        self._delay(s, duration)
+        self._add(s, arr, value)
+
+    def copy(self, stream: cs.Stream, dst: Any, src: Any, duration: float = 0.0) -> None:
+        s = self._stream(stream)
+        self._delay(s, duration)
+        self._copy(s, dst, src)
+
+    def shift_in(self, stream: cs.Stream, arr: Any, digit: int, duration: float = 0.0) -> None:
+        s = self._stream(stream)
+        self._delay(s, duration)
+        self._shift_in(s, arr, digit)
+
     def sum_into(self, stream: cs.Stream, out: Any, src: Any) -> None:
-        with self._on(stream):
-            self.cp.asarray(out)[...] = self.cp.asarray(src).sum()
+        self._sum_into(self._stream(stream), out, src)
 
-    def latch(self, stream: cs.Stream) -> Any:
-        cp = self.cp
-        flag = cp.cuda.alloc_pinned_memory(4)
-        host = np.frombuffer(flag, dtype=np.int32, count=1)
-        host[0] = 0
-        with self._on(stream):
-            self._wait_flag((1,), (1,), (flag.ptr,))
+    def _take_slot(self) -> int:
+        with self._lock:
+            if self._next_slot >= self._SLOTS:
+                raise RuntimeError(f"more than {self._SLOTS} latches in one run")
+            slot = self._next_slot
+            self._next_slot += 1
+            return slot
 
-        class _Latch:
-            def release(self) -> None:
-                host[0] = 1
+    def _launch_latch(self, slot: int) -> None:
+        base = self._pinned.ptr + 8 * slot
+        deadline = np.uint64(int(LATCH_TIMEOUT * 1e9))
+        self._wait_flag((1,), (1,), (base, base + 4, deadline))
 
-        latch = _Latch()
-        latch.keep = (flag, host)  # type: ignore[attr-defined]
-        return latch
+    def latch(self, stream: cs.Stream) -> _CudaLatch:
+        slot = self._take_slot()
+        with self._stream(stream):
+            self._launch_latch(slot)
+        with self._lock:
+            self._held.append(slot)
+        return _CudaLatch(self._flags, slot)
+
+    def release_all(self) -> None:
+        with self._lock:
+            held, self._held = self._held, []
+        for slot in held:
+            self._flags[2 * slot] = 1
+        expired = [slot for slot in held if self._flags[2 * slot + 1]]
+        if expired:
+            raise AssertionError(
+                f"{len(expired)} latch kernel(s) gave up after {LATCH_TIMEOUT} s: "
+                "the test held a stream and then waited for it on the host"
+            )
 
     def fail(self, stream: cs.Stream) -> None:
-        import pytest
+        # A device-side fault is sticky: it would poison the context for the
+        # rest of the run. Tests call this only after checking ops.name.
+        raise NotImplementedError("no kernel failure on a real device in the shared suite")
 
-        pytest.skip("no portable way to make a kernel fail without poisoning the context")
+
+class _CudaLatch:  # pragma: no cover - runs in the GPU tier only
+    __slots__ = ("_flags", "_slot")
+
+    def __init__(self, flags: np.ndarray[Any, Any], slot: int) -> None:
+        self._flags = flags
+        self._slot = slot
+
+    def release(self) -> None:
+        self._flags[2 * self._slot] = 1
+
+    @property
+    def expired(self) -> bool:
+        """Whether the kernel gave up waiting (its deadline passed first)."""
+        return bool(self._flags[2 * self._slot + 1])
 
 
 def ops_for(backend_name: str) -> DeviceOps:

@@ -303,6 +303,8 @@ async def test_cancelled_waiters_leak_nothing_and_keep_owners_alive(ops: DeviceO
 
 
 async def test_a_failed_kernel_raises_in_every_waiter(ops: DeviceOps) -> None:
+    if ops.name == "cuda":  # before any latch: a device-side fault is sticky on a GPU
+        pytest.skip("a failing kernel would poison the CUDA context for the rest of the run")
     s = cs.Stream()
     arr = ops.array(np.zeros(8, "float32"))
     t = cs.track(arr)
