@@ -75,6 +75,14 @@ class CudaBackend(Backend):
             return f"no usable CUDA driver or device ({_error(code, 'cudaGetDeviceCount')})"
         if int(result[1]) == 0:
             return "no CUDA device is present"
+        # A device can be counted and still refuse a context (an exclusive-process
+        # GPU in use by another process, a device in a bad state): try to make it.
+        try:
+            code = int(rt.cudaFree(0)[0])
+        except Exception as exc:
+            return f"the CUDA context could not be made ({type(exc).__name__}: {exc})"
+        if code != _SUCCESS:
+            return f"a CUDA device is present but unusable ({_error(code, 'cudaFree(0)')})"
         return None
 
     def __init__(self) -> None:
@@ -83,7 +91,9 @@ class CudaBackend(Backend):
         self._stream_t = rt.cudaStream_t
         self._event_t = rt.cudaEvent_t
         self._non_blocking = rt.cudaStreamNonBlocking
-        self._disable_timing = rt.cudaEventDisableTiming
+        # Blocking sync: a host wait (cudaEventSynchronize) sleeps in the driver
+        # instead of spinning a core; queries, records and waits are unaffected.
+        self._event_flags = int(rt.cudaEventDisableTiming) | int(rt.cudaEventBlockingSync)
         # Make the primary context current on this thread (cudaFree(0) idiom).
         check(rt.cudaFree(0), "cudaFree(0) to initialize the primary context")
 
@@ -100,7 +110,7 @@ class CudaBackend(Backend):
         return stream > 0
 
     def create_event(self) -> int:
-        e = check(self._rt.cudaEventCreateWithFlags(self._disable_timing), "cudaEventCreate")
+        e = check(self._rt.cudaEventCreateWithFlags(self._event_flags), "cudaEventCreate")
         return int(e)
 
     def destroy_event(self, event: int) -> None:
