@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 from ._backend import Backend, current_backend
@@ -142,18 +143,19 @@ class Stream:
         """Make later work on this stream wait for an event, or for all work
         enqueued so far on another stream. Only enqueues GPU work; never blocks.
         """
+        handle = self.handle  # a closed stream refuses, even if its handle was reused
         if isinstance(event_or_stream, Stream):
             if event_or_stream == self:
                 return
             self._same_backend(event_or_stream._backend)
             event = event_or_stream.record()
             try:
-                self._backend.stream_wait_event(self.handle, event.handle)
+                self._backend.stream_wait_event(handle, event.handle)
             finally:
                 event.close()
         elif isinstance(event_or_stream, Event):
             self._same_backend(event_or_stream._backend)
-            self._backend.stream_wait_event(self.handle, event_or_stream.handle)
+            self._backend.stream_wait_event(handle, event_or_stream.handle)
         else:
             raise TypeError(
                 f"Stream.wait() takes an Event or a Stream, got {type(event_or_stream).__name__}"
@@ -208,6 +210,8 @@ class Stream:
     def __del__(self) -> None:
         if getattr(self, "_owned", False) and not self._closed:
             self._closed = True
+            if sys.is_finalizing():  # the driver frees it with the context; its
+                return  # bindings may already be torn down
             try:
                 self._backend.destroy_stream(self._handle)
             except Exception as exc:  # never raise from a destructor
@@ -296,6 +300,8 @@ class Event:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self._closed = True
+            if sys.is_finalizing():
+                return
             try:
                 self._backend.destroy_event(self._handle)
             except Exception as exc:

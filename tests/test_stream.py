@@ -128,13 +128,28 @@ def test_events_are_made_by_record() -> None:
         cs.Event()
 
 
-def test_collected_stream_and_event_are_destroyed(backend: cs.Backend) -> None:
+def test_collected_stream_and_event_are_destroyed(
+    backend: cs.Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dropping the last reference destroys the handle, through the backend (a
+    destroyed handle cannot be queried safely on a GPU, so the calls are counted)."""
+    destroyed: list[tuple[str, int]] = []
+    for method in ("destroy_stream", "destroy_event"):
+        real = getattr(backend, method)
+
+        def spy(handle: int, _real: Any = real, _method: str = method) -> None:
+            destroyed.append((_method, handle))
+            _real(handle)
+
+        monkeypatch.setattr(backend, method, spy)
     s = cs.Stream()
     h = s.handle
     e = s.record()
+    e_handle = e._handle
     e.synchronize()
     del s, e
     gc.collect()
+    assert ("destroy_stream", h) in destroyed and ("destroy_event", e_handle) in destroyed
     if backend.name == "sim":
         assert not backend.is_stream(h)
 
