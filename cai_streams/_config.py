@@ -4,6 +4,11 @@
 consumer opt-out). ``CAI_STREAMS_EXPORT_STREAM=0``: producers export
 ``stream: None`` and join nothing (the spec's producer opt-out): the user then
 owns all synchronization. Both are on by default, as the spec requires.
+
+``CAI_STREAMS_SIM_DECOY=1``, for testing that code never assumes the default
+backend is the simulator: the default backend is then a decoy simulator whose
+streams ``sim.launch`` refuses, as it refuses cuda streams on a GPU machine.
+Read when the default backend is chosen (:func:`sim_decoy`). Off by default.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ import os
 
 from ._poller import PollPolicy, set_poll_policy
 
-__all__ = ["configure", "settings"]
+__all__ = ["configure", "settings", "sim_decoy"]
 
 
-def _flag(name: str) -> bool:
+def _flag(name: str, default: bool = True) -> bool:
     value = os.environ.get(name, "").strip().lower()
-    if value in ("", "1", "true", "yes", "on"):
+    if value == "":
+        return default
+    if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
@@ -33,6 +40,11 @@ class _Settings:
 
 
 settings = _Settings()
+
+
+def sim_decoy() -> bool:
+    """Whether ``CAI_STREAMS_SIM_DECOY`` asks for the decoy default backend."""
+    return _flag("CAI_STREAMS_SIM_DECOY", default=False)
 
 
 def configure(

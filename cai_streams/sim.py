@@ -107,14 +107,14 @@ class SimArray:
         """Copy to a new numpy array: enqueued on ``stream`` (the legacy default
         stream when None, like ``cudaMemcpy``), then waited for. Blocks.
         """
-        handle = 1 if stream is None else stream_handle_of(stream)
+        backend = device()
+        handle = 1 if stream is None else _simulated_stream(stream, backend)
         out = np.empty(self.shape, self.dtype)
         src = self._view
 
         def copy() -> None:
             np.copyto(out, src)
 
-        backend = device()
         if _sanitizer.active:
             _sanitizer.stream_access(
                 backend, handle, reads=[_range(self)], writes=[], what="to_host() copy"
@@ -206,17 +206,16 @@ def launch(
     Interface) reach ``fn`` as numpy views of device memory. ``reads`` and
     ``writes`` declare the arrays the kernel accesses, for the sanitizer.
     ``duration`` (seconds) is how long the kernel takes, before jitter.
+    ``stream`` must be a stream of the simulated device: one made on a cuda
+    backend, or on the decoy default of ``CAI_STREAMS_SIM_DECOY=1``, raises
+    ValueError (select ``sim`` first: ``cs.use_backend("sim")``, ``simulated()``).
     """
     if not callable(fn):
         raise TypeError(f"launch() needs a callable kernel, got {type(fn).__name__}")
     if duration is not None and not duration >= 0:
         raise ValueError(f"duration must be a non-negative number of seconds, got {duration}")
     backend = device()
-    if isinstance(stream, Stream) and stream.backend is not backend:
-        raise ValueError(f"{stream!r} is not a simulated stream")
-    handle = stream_handle_of(stream)
-    if not backend.is_stream(handle):
-        raise ValueError(f"{handle:#x} is not a stream of the simulated device")
+    handle = _simulated_stream(stream, backend)
     resolved = tuple(_kernel_arg(a) for a in args)
     reads, writes = tuple(reads), tuple(writes)
     declared = (*reads, *writes)
@@ -237,6 +236,22 @@ def launch(
             what=f"kernel {label!r}",
         )
     backend.launch(handle, kernel, label, duration or 0.0)
+
+
+def _simulated_stream(stream: Stream | int | object, backend: SimBackend) -> int:
+    """The handle of ``stream`` if it is a stream of the simulated device, else
+    ValueError: a cuda stream, or one of the decoy default backend (see
+    ``CAI_STREAMS_SIM_DECOY``), cannot run simulated work."""
+    if isinstance(stream, Stream) and stream.backend is not backend:
+        raise ValueError(
+            f"{stream!r} is not a simulated stream: make it while 'sim' is the backend "
+            "(cs.use_backend('sim') or sim.simulated()); the default backend is 'cuda' "
+            "on a GPU machine"
+        )
+    handle = stream_handle_of(stream)
+    if not backend.is_stream(handle):
+        raise ValueError(f"{handle:#x} is not a stream of the simulated device")
+    return handle
 
 
 def _range(obj: object) -> tuple[int, int]:

@@ -15,6 +15,10 @@ installed these are available in every test suite without an import:
 A race in the pipeline raises :class:`~cai_streams.HazardError` at the
 offending access, on every run; the jitter makes the data wrong as well, the
 way a GPU would when timing is unlucky. See ``docs/testing.md``.
+
+On a GPU machine the default backend is ``cuda``, whose streams simulated kernels
+refuse: run the suite once more with ``CAI_STREAMS_SIM_DECOY=1`` (a decoy default
+they refuse too) to find tests that run them without the fixture or the marker.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Each request enqueues its own kernel and awaits the result with `cs.consume`. All
 waiters share one poller, so the event loop stays free: a heartbeat task that wants
 to tick every millisecond reports its largest gap, beside the same service written
-with a blocking `stream.synchronize()`. Runs on the simulated device without a GPU.
+with a blocking `stream.synchronize()`. Its kernels are simulated (`sim.launch`), so
+it selects the simulated device itself and runs the same with or without a GPU.
 
     python examples/async_service.py [--requests 500]
 """
@@ -68,6 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=500)
     args = parser.parse_args()
+    cs.use_backend("sim")  # simulated kernels need simulated streams, even on a GPU machine
     # A long-running service's usual setting: the objects made at start-up are never
     # collected, so a full garbage collection does not walk them (a 30 ms pause here).
     gc.freeze()

@@ -6,7 +6,8 @@ consumer awaits each result with `await cs.consume(...)` (polled from the event 
 never blocking it) and hands the buffer back. Tracked reads make a copy wait on the
 GPU for the preprocessing that still reads its buffer, so nothing is overwritten
 under a reader. Prints throughput and how much of the time the streams overlapped.
-Runs on the simulated device without a GPU.
+Its kernels are simulated (`sim.launch`), so it selects the simulated device itself
+and runs the same with or without a GPU.
 
     python examples/data_loading_pipeline.py [--batches 48]
 """
@@ -72,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--batches", type=int, default=48)
     args = parser.parse_args()
+    cs.use_backend("sim")  # simulated kernels need simulated streams, even on a GPU machine
     with cs.trace() as recording:
         seconds, wrong = anyio.run(pipeline, args.batches)
     mb = args.batches * np.prod(SHAPE) * 4 / 1e6

@@ -5,7 +5,8 @@ Three producer streams each fill a third of one buffer. `cs.track` remembers tha
 work; exporting the buffer records an event on each of the three streams and makes
 the export stream wait on them, so a consumer that only reads the interface (it
 knows nothing of the three streams) enqueues its work on the exported stream and
-sees complete data. Runs on the simulated device without a GPU.
+sees complete data. Its kernels are simulated (`sim.launch`), so it selects the
+simulated device itself and runs the same with or without a GPU.
 
     python examples/multi_stream_producer.py
 """
@@ -36,6 +37,7 @@ def library_that_only_reads_the_interface(obj: Any) -> float:
 
 
 def main() -> None:
+    cs.use_backend("sim")  # simulated kernels need simulated streams, even on a GPU machine
     s7, s9, s15, s3 = (cs.Stream() for _ in range(4))
     buffer = sim.empty(N, "float64")
     t = cs.track(buffer, stream=s3)  # stream "3" is what the consumer will get

@@ -3,7 +3,8 @@
 A producer task fills buffers on its stream and passes them through a trio memory
 channel; the consumer awaits each with `cs.consume`, which polls from trio's own
 loop through a trio system task. A timeout and a cancellation show that an abandoned
-wait leaks nothing. Runs on the simulated device without a GPU.
+wait leaks nothing. Its kernels are simulated (`sim.launch`), so it selects the
+simulated device itself and runs the same with or without a GPU.
 
     python examples/trio_pipeline.py
 """
@@ -17,6 +18,7 @@ from cai_streams import sim
 
 
 async def main() -> None:
+    cs.use_backend("sim")  # simulated kernels need simulated streams, even on a GPU machine
     s = cs.Stream()
     send, receive = trio.open_memory_channel[sim.SimArray](4)
     baseline = cs.stats()["events_in_flight"]

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 import cai_streams as cs
+from cai_streams import _backend
 from cai_streams._backend import _backend_class
 
 from .device_ops import DeviceOps, ops_for
@@ -33,8 +34,25 @@ def backend(request: pytest.FixtureRequest) -> Iterator[cs.Backend]:
 
 
 @pytest.fixture
-def ops(backend: cs.Backend) -> DeviceOps:
-    return ops_for(backend.name)
+def ops(backend: cs.Backend) -> Iterator[DeviceOps]:
+    """Kernels for ``backend``; every latch it handed out is released at teardown,
+    so a failed assertion while a stream is held never leaves a kernel spinning."""
+    device_ops = ops_for(backend.name)
+    try:
+        yield device_ops
+    finally:
+        device_ops.release_all()
+
+
+@pytest.fixture(autouse=True)
+def _default_backend() -> Iterator[None]:
+    """Each test starts on the process's default backend, whatever the test
+    before it selected: under ``CAI_STREAMS_SIM_DECOY=1`` every test that does
+    not choose a backend runs on the decoy, which simulated kernels refuse."""
+    default = cs.current_backend()
+    yield
+    with _backend._lock:
+        _backend._current = default
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cai_streams._backend import _backend_class
+import cai_streams as cs
+from cai_streams._backend import DECOY_NAME, _backend_class
+from cai_streams._config import sim_decoy
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 HAS_GPU = _backend_class("cuda").unavailable_reason() is None
@@ -30,9 +32,12 @@ EXPECTED = {
 INTEROP = ["interop_cupy.py", "interop_torch.py", "interop_numba.py"]
 
 
-def _run(name: str) -> subprocess.CompletedProcess[str]:
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python *args`` in ``examples/`` with the sanitizer on, in this process's
+    environment: in CI's second pass (``CAI_STREAMS_SIM_DECOY=1``) the default
+    backend is the decoy, which simulated kernels refuse, as on a GPU machine."""
     env = {**os.environ, "CAI_STREAMS_SANITIZE": "1"}
-    return subprocess.run([sys.executable, str(EXAMPLES / name)], env=env, cwd=EXAMPLES,
+    return subprocess.run([sys.executable, *args], env=env, cwd=EXAMPLES,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
@@ -43,7 +48,7 @@ def test_every_example_is_covered() -> None:
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_example_runs(name: str) -> None:
-    out = _run(name)
+    out = _run(str(EXAMPLES / name))
     assert out.returncode == 0, out.stdout + out.stderr
     for line in EXPECTED[name]:
         assert line in out.stdout, out.stdout
@@ -51,7 +56,20 @@ def test_example_runs(name: str) -> None:
 
 @pytest.mark.parametrize("name", INTEROP)
 def test_interop_example(name: str) -> None:
-    out = _run(name)
+    out = _run(str(EXAMPLES / name))
     assert out.returncode == 0, out.stdout + out.stderr
     if not HAS_GPU:
         assert "needs a CUDA GPU" in out.stdout
+
+
+@pytest.mark.skipif(
+    not sim_decoy() or "CAI_STREAMS_BACKEND" in os.environ,
+    reason="CI's second pass only (CAI_STREAMS_SIM_DECOY=1)",
+)
+def test_the_decoy_pass_runs_examples_on_the_decoy() -> None:
+    """CI's second pass is not silently the first one again: this process and the
+    examples it runs default to the decoy, so an example that assumes the default
+    backend is the simulator fails here as it would on a GPU machine."""
+    assert cs.current_backend().name == DECOY_NAME
+    out = _run("-c", "import cai_streams as cs; print(cs.current_backend().name)")
+    assert out.stdout.strip() == DECOY_NAME, out.stderr

@@ -22,10 +22,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
 
-_PROBE = '''
+_PROBE = """
 def pytest_sessionstart(session):
     session.config.get_terminal_writer().line("caiprobe plugin loaded from " + __file__)
-'''
+"""
 
 
 def _probe_wheel(directory: Path) -> Path:

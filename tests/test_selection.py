@@ -1,4 +1,5 @@
-"""Choosing the backend: environment, default, errors, and the one INFO line."""
+"""Choosing the backend: environment, default, errors, and the one INFO line;
+the decoy default (``CAI_STREAMS_SIM_DECOY=1``) that simulated kernels refuse."""
 
 from __future__ import annotations
 
@@ -9,10 +10,16 @@ import sys
 import pytest
 
 import cai_streams as cs
+from cai_streams import _backend, sim
+
+_SELECTION = ("CAI_STREAMS_BACKEND", "CAI_STREAMS_SIM_DECOY")
+_CUDA_REASON = _backend._backend_class("cuda").unavailable_reason()
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    full = {k: v for k, v in os.environ.items() if k != "CAI_STREAMS_BACKEND"}
+    """Run ``code`` in a child whose backend selection is only what ``env`` says
+    (these tests pass in both CI passes, with and without the decoy)."""
+    full = {k: v for k, v in os.environ.items() if k not in _SELECTION}
     full.update(env)
     return subprocess.run(
         [sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=60
@@ -57,3 +64,60 @@ def test_use_backend_validates() -> None:
     with pytest.raises(TypeError):
         cs.use_backend(3)  # type: ignore[arg-type]
     assert cs.use_backend("sim") is cs.current_backend()
+
+
+def test_the_decoy_switch_takes_the_place_of_cuda() -> None:
+    code = "import cai_streams as cs; print(cs.current_backend().name)"
+    assert _run(code, CAI_STREAMS_SIM_DECOY="1").stdout.strip() == "decoy"
+    assert _run(code, CAI_STREAMS_SIM_DECOY="0").stdout.strip() in ("sim", "cuda")
+    for name in ("sim", "cuda") if _CUDA_REASON is None else ("sim",):
+        forced = _run(code, CAI_STREAMS_SIM_DECOY="1", CAI_STREAMS_BACKEND=name)
+        assert forced.stdout.strip() == name, forced.stderr
+    hidden = _run("import cai_streams as cs; cs.current_backend()", CAI_STREAMS_BACKEND="decoy")
+    assert hidden.returncode != 0 and "expected one of sim, cuda" in hidden.stderr
+    bad = _run("import cai_streams as cs; cs.current_backend()", CAI_STREAMS_SIM_DECOY="maybe")
+    assert bad.returncode != 0 and "CAI_STREAMS_SIM_DECOY='maybe'" in bad.stderr
+
+
+@pytest.fixture
+def decoy_default(monkeypatch: pytest.MonkeyPatch) -> cs.Backend:
+    """The default backend as ``CAI_STREAMS_SIM_DECOY=1`` chooses it, in this process."""
+    monkeypatch.delenv("CAI_STREAMS_BACKEND", raising=False)
+    monkeypatch.setenv("CAI_STREAMS_SIM_DECOY", "1")
+    monkeypatch.setattr(_backend, "_current", None)
+    return cs.current_backend()
+
+
+def test_under_the_decoy_default_simulated_kernels_refuse_default_streams(
+    decoy_default: cs.Backend,
+) -> None:
+    assert decoy_default.name == "decoy" and decoy_default is not sim.device()
+    s = cs.Stream()
+    assert s.backend is decoy_default
+    a = sim.empty(4)
+    refused = r"is not a simulated stream: make it while 'sim' is the backend"
+    with pytest.raises(ValueError, match=refused):
+        sim.launch(s, lambda x: x.fill(1.0), a, writes=[a])
+    with pytest.raises(ValueError, match=refused):
+        a.to_host(stream=s)
+    with pytest.raises(ValueError, match="not a stream of the simulated device"):
+        sim.launch(s.handle, print)  # its handles never name a simulator stream
+    cs.use_backend("sim")  # what code that runs simulated kernels does
+    mine = cs.Stream()
+    sim.launch(mine, lambda x: x.fill(2.0), a, writes=[a])
+    assert (a.to_host(stream=mine) == 2.0).all()
+    assert cs.use_backend("decoy") is decoy_default  # use_backend(current.name) round-trips
+    with sim.simulated():
+        assert cs.current_backend() is sim.device()
+    assert cs.current_backend() is decoy_default
+
+
+@pytest.mark.skipif(_CUDA_REASON is not None, reason=f"cuda: {_CUDA_REASON}")
+def test_simulated_kernels_refuse_cuda_streams_the_same_way() -> None:
+    cs.use_backend("cuda")
+    s = cs.Stream()
+    with pytest.raises(ValueError, match=r"is not a simulated stream: make it while 'sim'"):
+        sim.launch(s, print)
+    with pytest.raises(ValueError, match="not a stream of the simulated device"):
+        sim.launch(s.handle, print)
+    s.close()

@@ -203,6 +203,7 @@ def test_interpreter_exits_cleanly_with_work_in_flight() -> None:
     code = (
         "import cai_streams as cs, numpy as np\n"
         "from cai_streams import sim\n"
+        "cs.use_backend('sim')\n"  # simulated kernels, whatever the default backend
         "s = cs.Stream(); a = sim.asarray(np.zeros(3))\n"
         "for _ in range(50): sim.launch(s, lambda x: None, a, duration=0.001)\n"
         "print('bye')\n"

@@ -26,12 +26,15 @@ logger = logging.getLogger("cai_streams")
 LEGACY_DEFAULT_STREAM: Final = 1
 PER_THREAD_DEFAULT_STREAM: Final = 2
 BACKEND_NAMES: Final = ("sim", "cuda")
+#: the simulator under another name, made the default by ``CAI_STREAMS_SIM_DECOY=1``
+#: (a test switch: not one of ``BACKEND_NAMES``, not accepted by ``CAI_STREAMS_BACKEND``)
+DECOY_NAME: Final = "decoy"
 
 
 class Backend(ABC):
     """One device as seen through integer stream and event handles."""
 
-    #: ``"sim"`` or ``"cuda"``
+    #: ``"sim"`` or ``"cuda"`` (``"decoy"`` under ``CAI_STREAMS_SIM_DECOY=1``)
     name: str
 
     @classmethod
@@ -107,6 +110,10 @@ def _backend_class(name: str) -> type[Backend]:
         from ._cuda import CudaBackend
 
         return CudaBackend
+    if name == DECOY_NAME:
+        from ._sim import DecoyBackend
+
+        return DecoyBackend
     raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(BACKEND_NAMES)}")
 
 
@@ -134,6 +141,8 @@ def use_backend(name: str) -> Backend:
 
     Streams and events made before the switch stay on their own backend. Blocks
     briefly the first time a backend is started; enqueues no GPU work.
+    (``"decoy"`` is accepted too, so that ``use_backend(current_backend().name)``
+    restores the default under ``CAI_STREAMS_SIM_DECOY=1`` as it does on a GPU.)
     """
     global _current
     if not isinstance(name, str):
@@ -149,6 +158,13 @@ def current_backend() -> Backend:
     ``CAI_STREAMS_BACKEND`` if set; otherwise ``cuda`` when a device is usable,
     else ``sim`` (said once at INFO level on the ``cai_streams`` logger).
     Does not block after the first call.
+
+    ``CAI_STREAMS_SIM_DECOY=1``, for testing that code never assumes the default
+    backend is the simulator: the default is then the ``decoy`` backend, picked
+    where a GPU machine picks ``cuda``. It runs exactly like the simulator, but
+    ``sim.launch`` and ``SimArray.to_host`` refuse its streams as they refuse
+    cuda streams, so such code fails on CPU CI as it would on every GPU.
+    ``CAI_STREAMS_BACKEND`` still wins over it.
     """
     backend = _current
     if backend is not None:
@@ -168,6 +184,11 @@ def _select_default() -> Backend:
                     f"CAI_STREAMS_BACKEND={requested!r}: expected one of {', '.join(BACKEND_NAMES)}"
                 )
             _current = _instance(requested)
+            return _current
+        from .._config import sim_decoy  # imported late: _config imports this package
+
+        if sim_decoy():
+            _current = _instance(DECOY_NAME)  # silently, as cuda is chosen on a GPU
             return _current
         reason = _backend_class("cuda").unavailable_reason()
         if reason is None:

@@ -45,7 +45,7 @@ import numpy as np
 from .._errors import CudaError, KernelError
 from . import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
 
-__all__ = ["SimBackend"]
+__all__ = ["DecoyBackend", "SimBackend"]
 
 #: default upper bound of the random delay added to each kernel, in seconds
 DEFAULT_JITTER: Final = 0.0005
@@ -90,7 +90,7 @@ class _SimStream:
         self._error: KernelError | None = None
         self._rng = random.Random(seed)
         self._thread = threading.Thread(
-            target=self._run, name=f"cai-streams-sim-{handle:#x}", daemon=True
+            target=self._run, name=f"cai-streams-{backend.name}-{handle:#x}", daemon=True
         )
         self._thread.start()
 
@@ -225,6 +225,8 @@ class SimBackend(Backend):
     """A faithful simulated CUDA device (see the module docstring for the rules)."""
 
     name = "sim"
+    #: the first stream or event handle (a decoy's never collide with the simulator's)
+    first_handle: int = 0x7F00_0000_1000
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -246,7 +248,7 @@ class SimBackend(Backend):
         # Re-entrant: Stream/Event destructors call back into the backend and can
         # run from a garbage collection on a thread that already holds the lock.
         self._lock = threading.RLock()
-        self._handles = itertools.count(0x7F00_0000_1000, 0x200)
+        self._handles = itertools.count(self.first_handle, 0x200)
         self._ordinals = itertools.count()
         self._streams: dict[int, _SimStream] = {}
         self._events: dict[int, list[_Point | None]] = {}
@@ -386,3 +388,21 @@ class SimBackend(Backend):
         deadline = time.monotonic() + 2.0
         for stream in streams:
             stream.join(max(0.0, deadline - time.monotonic()))
+
+
+class DecoyBackend(SimBackend):
+    """The simulator under another name, for testing that code never assumes the
+    default backend is the simulator.
+
+    ``CAI_STREAMS_SIM_DECOY=1`` makes it the default backend, chosen where a GPU
+    machine chooses ``cuda``. Its streams and events follow every rule above, but
+    it is not the simulated device: :func:`cai_streams.sim.launch` and
+    ``SimArray.to_host`` refuse its streams, as they refuse cuda streams, and its
+    handles never name a simulator stream. Code that makes streams on the default
+    backend and then runs simulated kernels therefore fails under it on a CPU,
+    as it would on every GPU machine; code that selects ``sim`` (``use_backend``,
+    ``sim.simulated``, the ``cai_sim`` fixture) runs unchanged.
+    """
+
+    name = "decoy"
+    first_handle = 0x7E00_0000_1000
