@@ -60,6 +60,11 @@ def test_interop_example(name: str) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     if not HAS_GPU:
         assert "needs a CUDA GPU" in out.stdout
+        return
+    # each part checks its data and says so; a wrong answer exits 1
+    parts = [line for line in out.stdout.splitlines() if line.startswith("part ")]
+    assert [p.split(":", 1)[0] for p in parts] == ["part 1", "part 2", "part 3"], out.stdout
+    assert all(p.endswith(": ok") for p in parts), out.stdout
 
 
 @pytest.mark.skipif(

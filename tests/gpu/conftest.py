@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 import pytest
 
 from cai_streams._backend import _backend_class
+
+if TYPE_CHECKING:
+    from ..device_ops import CupyOps
 
 _REASON = _backend_class("cuda").unavailable_reason()
 
@@ -23,3 +29,32 @@ def _cuda_backend() -> None:
     import cai_streams as cs
 
     cs.use_backend("cuda")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """One event loop is enough here: the loops are proven on sim and in the
+    shared suite; these tests prove the libraries' ordering on a device."""
+    return "asyncio"
+
+
+@pytest.fixture
+def cuda_ops() -> Iterator[CupyOps]:
+    """The process-wide CuPy kernels (latch, fill, copy), warmed up.
+
+    At teardown every latch handed out is released (a failed assertion while
+    a stream is held never leaves a kernel spinning), the test fails if one
+    of them expired (it was waited for on the host before its release), and
+    the device is synchronized, so the next test starts with nothing in flight.
+    """
+    cupy = pytest.importorskip("cupy")
+    from ..device_ops import CupyOps
+
+    ops = CupyOps()
+    try:
+        yield ops
+    finally:
+        try:
+            ops.release_all()
+        finally:
+            cupy.cuda.runtime.deviceSynchronize()
