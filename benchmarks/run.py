@@ -7,6 +7,12 @@ as the median of its repeats with its spread, max - min) and DIR/<backend>-<date
 (wake latency and loop lag against the number of waiters). ``--quick`` uses fewer
 repeats and iterations (under two minutes on a 2-core CPU machine). Ratios are
 what carries between machines; absolute times count only from a GPU.
+
+    python benchmarks/run.py --backend cuda [--quick] [--out DIR]
+
+runs the same benchmarks on a CUDA device beside the GPU peers (CuPy, PyTorch,
+Numba, cuda.core), with the same report format: see ``cuda_run.py``. Without a
+usable device it exits with status 2 and says why.
 """
 
 from __future__ import annotations
@@ -14,38 +20,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import anyio
-import numpy as np
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and the project importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cai_streams as cs  # noqa: E402
 from benchmarks import bench_consume, bench_export, bench_interface, bench_sanitizer  # noqa: E402
+from benchmarks.report import Result, machine, plot, table  # noqa: E402
+from benchmarks.report import result as _result  # noqa: E402
 from cai_streams import sim  # noqa: E402
-from cai_streams._backend import _backend_class  # noqa: E402
-
-Figure = dict[str, float]  # {"median": ..., "spread": ...}
-Result = dict[str, Any]  # {"benchmark", "case", "method", "figures": {name: Figure}}
-
-
-def _fig(values: Sequence[float]) -> Figure:
-    return {"median": float(np.median(values)), "spread": float(max(values) - min(values))}
-
-
-def _result(benchmark: str, case: str, method: str, **figures: Sequence[float]) -> Result:
-    return {"benchmark": benchmark, "case": case, "method": method,
-            "figures": {k: _fig(v) for k, v in figures.items()}}  # fmt: skip
 
 
 def handoff(quick: bool) -> list[Result]:
@@ -151,75 +141,17 @@ def sanitizer(quick: bool) -> list[Result]:
                     launch_on_us=[r["launch_on_us"] for r in runs])]  # fmt: skip
 
 
-def machine() -> dict[str, Any]:
-    versions = {}
-    for package in ("numpy", "anyio", "trio", "cuda-python", "cupy-cuda12x", "matplotlib"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            pass
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
-            "python": platform.python_version(), "cai_streams": cs.__version__,
-            "packages": versions}  # fmt: skip
-
-
-def table(results: Sequence[Result]) -> str:
-    lines = ["| benchmark | case | method | figures (median ± spread) |", "|---|---|---|---|"]
-    for r in results:
-        figs = ", ".join(f"{k} {v['median']:.3g} ± {v['spread']:.2g}"
-                         for k, v in r["figures"].items())  # fmt: skip
-        lines.append(f"| {r['benchmark']} | {r['case']} | {r['method']} | {figs} |")
-    return "\n".join(lines)
-
-
-def plot(results: Sequence[Result], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no plot: matplotlib is not installed (pip install 'cai-streams[plot]')")
-        return False
-    rows = [r for r in results if r["benchmark"] == "waiting"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for method in dict.fromkeys(r["method"] for r in rows):
-        mine = [r for r in rows if r["method"] == method]
-        n = [int(r["case"].split()[0]) for r in mine]
-        for ax, key in zip(axes, ("wake_p99_ms", "lag_p99_ms"), strict=True):
-            ax.plot(n, [max(r["figures"][key]["median"], 1e-3) for r in mine], marker="o",
-                    label=method)  # fmt: skip
-    for ax, title in zip(axes, ("wake latency p99 (ms)", "event-loop lag p99 (ms)"), strict=True):
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("concurrent waiters")
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize="small")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return True
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="cai_streams benchmarks beside their peers")
     parser.add_argument("--backend", choices=("sim", "cuda"), default="sim")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (CI-sized)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--stand-in", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.backend == "cuda":
-        reason = _backend_class("cuda").unavailable_reason()
-        print(f"--backend cuda: {reason or 'a device is usable, but'} the cuda variants of these"
-              " benchmarks (CuPy kernels and the peers cupy.asarray, torch.as_tensor,"
-              " numba.cuda.as_cuda_array, StridedMemoryView, async_done) are not written yet:"
-              " they need a session with a GPU to be written and checked")  # fmt: skip
-        return 2
+        from benchmarks import cuda_run
+
+        return cuda_run.main(quick=args.quick, out=args.out, stand_in=args.stand_in)
     cs.use_backend("sim")
     started = time.perf_counter()
     results: list[Result] = []
