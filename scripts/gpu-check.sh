@@ -15,7 +15,8 @@
 # and plot go to $OUT when set, else docs/gpu-runs/.
 #
 # Bounds: each step runs under `timeout`, from a total of $GPU_CHECK_BUDGET seconds
-# (default 1200); pytest times a test out after 120 s with the thread method, which
+# (default 1200); GPU_CHECK_COMMIT names the commit when the tree is an exported
+# snapshot rather than a checkout; pytest times a test out after 120 s with the thread method, which
 # also interrupts a C call that busy-waits (the signal method cannot).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,7 +73,8 @@ step() {
   return "$rc"
 }
 
-echo "# cai_streams GPU tier, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$([ "$dry_run" = 1 ] && echo ', DRY RUN (no device)')"
+commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+echo "# cai_streams GPU tier, $(date -u +%FT%TZ), commit $commit$([ "$dry_run" = 1 ] && echo ', DRY RUN (no device)')"
 if [ "$dry_run" = 0 ]; then
   nvidia-smi
 fi
@@ -106,8 +108,11 @@ EOF
 
 # The plugin by module, whether or not an installed entry point also provides it
 # (blocking the entry point's name first, so pluggy never sees it twice).
-pytest_args=(-p no:cacheprovider -p no:cai_streams -p cai_streams.testing
+# pytest-benchmark (on GPU images) warns under xdist, and warnings are errors here.
+pytest_args=(-p no:cacheprovider -p no:cai_streams -p cai_streams.testing -p no:benchmark
   -o timeout_method=thread --timeout=120 -q -rs)
+# GPU_CHECK_ONLY="gpu suite bench" (the default) picks the steps of a real run
+only=" ${GPU_CHECK_ONLY:-gpu suite bench} "
 status=0
 if [ "$dry_run" = 1 ]; then
   step 50 "$python" -m pytest "${pytest_args[@]}" tests/test_plugin_loaded.py \
@@ -117,9 +122,15 @@ if [ "$dry_run" = 1 ]; then
   echo "benchmarks/run.py --backend cuda without a device: exit $rc"
   [ "$rc" = 2 ] || status=1
 else
-  step 15 "$python" -m pytest "${pytest_args[@]}" tests/gpu || status=1
-  step 75 "$python" -m pytest "${pytest_args[@]}" --ignore=tests/gpu tests || status=1
-  step 95 "$python" benchmarks/run.py --backend cuda --quick --out "$bench_out" || status=1
+  [[ $only == *" gpu "* ]] && { step 15 "$python" -m pytest "${pytest_args[@]}" tests/gpu || status=1; }
+  # pytest-xdist, where the machine has it, runs the suite in 4 processes (a
+  # module stays on one process): GPU time is short
+  parallel=()
+  "$python" -c "import xdist" 2>/dev/null && parallel=(-n "${GPU_CHECK_WORKERS:-4}" --dist loadfile)
+  [[ $only == *" suite "* ]] && { step 75 "$python" -m pytest "${pytest_args[@]}" "${parallel[@]}" \
+    --ignore=tests/gpu tests || status=1; }
+  [[ $only == *" bench "* ]] && { step 95 "$python" benchmarks/run.py --backend cuda --quick \
+    --out "$bench_out" || status=1; }
 fi
 echo
 echo "gpu-check: $([ "$status" = 0 ] && echo PASSED || echo FAILED) in $((SECONDS - start)) s; log: ${logs[*]}"
