@@ -91,9 +91,13 @@ class CudaBackend(Backend):
         self._stream_t = rt.cudaStream_t
         self._event_t = rt.cudaEvent_t
         self._non_blocking = rt.cudaStreamNonBlocking
-        # Blocking sync: a host wait (cudaEventSynchronize) sleeps in the driver
-        # instead of spinning a core; queries, records and waits are unaffected.
-        self._event_flags = int(rt.cudaEventDisableTiming) | int(rt.cudaEventBlockingSync)
+        # Not cudaEventBlockingSync, although a host wait on such an event sleeps
+        # instead of spinning: on an H100 (driver 580) about 56 pending records of
+        # blocking-sync events on one stream made the next cudaEventRecord block
+        # the host, so 1,000 waiters on one held stream deadlocked the thread that
+        # had to release it (docs/gpu-runs/2026-11-22-NVIDIA-H100-80GB-HBM3.txt).
+        # Plain events allowed about 1,000. Awaiting never spins: it polls.
+        self._event_flags = int(rt.cudaEventDisableTiming)
         # Make the primary context current on this thread (cudaFree(0) idiom).
         check(rt.cudaFree(0), "cudaFree(0) to initialize the primary context")
 
