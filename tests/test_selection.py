@@ -121,3 +121,44 @@ def test_simulated_kernels_refuse_cuda_streams_the_same_way() -> None:
     with pytest.raises(ValueError, match="not a stream of the simulated device"):
         sim.launch(s.handle, print)
     s.close()
+
+
+class _Runtime:
+    """A stand-in for cuda.bindings' runtime module: one device counted, whose
+    context cannot be made (an exclusive-process GPU in use by another process)."""
+
+    class cudaError_t(int):  # noqa: N801 - the bindings' name
+        pass
+
+    def cudaGetDeviceCount(self) -> tuple[int, int]:  # noqa: N802
+        return (0, 1)
+
+    def cudaFree(self, ptr: int) -> tuple[int]:  # noqa: N802
+        return (46,)  # cudaErrorDevicesUnavailable
+
+    def cudaGetErrorName(self, err: int) -> tuple[int, bytes]:  # noqa: N802
+        return (0, b"cudaErrorDevicesUnavailable")
+
+    def cudaGetErrorString(self, err: int) -> tuple[int, bytes]:  # noqa: N802
+        return (0, b"CUDA-capable device(s) is/are busy or unavailable")
+
+
+def test_a_counted_device_without_a_context_falls_back_to_sim(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from cai_streams._backend import _cuda
+
+    monkeypatch.setattr(_cuda, "_runtime", _Runtime())
+    reason = _cuda.CudaBackend.unavailable_reason()
+    assert reason is not None and "present but unusable" in reason
+    assert "cudaErrorDevicesUnavailable" in reason
+    for name in _SELECTION:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_backend, "_current", None)
+    with caplog.at_level("INFO", logger="cai_streams"):
+        assert _backend._select_default().name == "sim"
+    assert "cudaErrorDevicesUnavailable" in caplog.text
+    monkeypatch.setenv("CAI_STREAMS_BACKEND", "cuda")
+    monkeypatch.setattr(_backend, "_current", None)
+    with pytest.raises(cs.CaiStreamsError, match="present but unusable"):
+        _backend._select_default()
