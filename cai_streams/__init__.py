@@ -25,16 +25,18 @@ from ._errors import KernelError as KernelError
 from ._interface import ArrayView as ArrayView
 from ._interface import parse as read_interface
 from ._poller import PollPolicy as PollPolicy
+from ._sanitizer import happens_after as happens_after
+from ._sanitizer import happens_before as happens_before
 from ._sanitizer import sanitize as sanitize
 from ._sanitizer import sanitizing as sanitizing
-from ._scheduler import TrackedArray as TrackedArray
-from ._scheduler import export as export
 from ._scheduler import stats as stats
-from ._scheduler import track as track
 from ._stream import Event as Event
 from ._stream import Stream as Stream
 from ._trace import Trace as Trace
 from ._trace import trace as trace
+from ._tracked import TrackedArray as TrackedArray
+from ._tracked import export as export
+from ._tracked import track as track
 
 __all__ = (
     "ArrayView",
@@ -57,6 +59,8 @@ __all__ = (
     "consuming",
     "current_backend",
     "export",
+    "happens_after",
+    "happens_before",
     "read_interface",
     "sanitize",
     "sanitizing",

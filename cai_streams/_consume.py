@@ -1,155 +1,313 @@
 """The consumer side: take any CUDA Array Interface object, race-free.
 
-Three ways to be ready for an array a producer hands over:
+Every handoff is one row of :class:`Mode`, chosen once by :func:`plan` from
+three facts: is the producer a tracked array, does its interface name a
+stream, and does the consumer want host readiness (``stream=None``), its own
+stream ordered (``stream=s``), or nothing (``sync=False``):
 
-* host readiness (``stream=None``): an event recorded on the producer's stream
-  (for a tracked array: its pending writes' own events) is awaited through the
-  shared poller, so the event loop keeps running;
-* enqueue (``stream=s``): ``s`` waits for the producer on the GPU, the host
-  does not wait at all;
-* opt-out (``sync=False`` or ``CAI_STREAMS_SYNC=0``): nothing is waited for,
-  and the view still names the producer's stream.
+==================  =========================  =====================  ==================
+mode                what is waited for         ``view.stream``        ``consuming()`` exit
+==================  =========================  =====================  ==================
+TRACKED_HOST        the host polls the         None                   nothing
+                    pending writes' events
+TRACKED_ENQUEUE     ``s`` waits for the        ``s``                  a read recorded
+                    pending writes; a                                 on ``s``
+                    consumer read is added
+TRACKED_OPT_OUT     nothing on the host; the   the export stream      nothing
+                    writes are joined onto     (None if nothing
+                    the export stream, as      is pending)
+                    ``export()`` does
+UNTRACKED_HOST      the host polls an event    None                   nothing
+                    recorded on the producer's
+                    stream now (none if the
+                    backend says it is idle)
+UNTRACKED_ENQUEUE   ``s`` waits for an event   ``s``                  the producer's stream
+                    recorded on the producer's                        waits for ``s``
+                    stream now
+UNTRACKED_OPT_OUT   nothing                    the producer's stream  nothing
+READY               nothing (the producer      None, or ``s``         nothing
+                    names no stream)
+==================  =========================  =====================  ==================
+
+A tracked producer's ``writing()`` block held open by another thread is waited
+for first: awaited from a coroutine (never blocking the loop), blocked on in
+``consume_blocking``. Within ``timeout``, always.
 """
 
 from __future__ import annotations
 
+import enum
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, ClassVar
 
+import anyio
 import anyio.lowlevel
 
 from . import _sanitizer
+from ._access import Access
 from ._backend import Backend, current_backend
+from ._blocks import Blocked, Owner, current_owner, wait_block_async, wait_block_sync
 from ._config import settings
 from ._events import Mark, record
+from ._identity import stream_id_now
 from ._interface import ArrayView, byte_range, parse
+from ._pending import PendingWork
 from ._poller import check_timeout, wait_blocking, wait_for_events
-from ._scheduler import TrackedArray, _Access, _Scheduler, as_stream, lookup, scheduler_for
-from ._stream import Stream
+from ._scheduler import Scheduler, scheduler_for
+from ._stream import Stream, as_stream
+from ._tracked import BLOCK_TIMEOUT, lookup
 
-__all__ = ["consume", "consume_all", "consume_blocking", "consuming"]
+__all__ = ["Mode", "consume", "consume_all", "consume_blocking", "consuming", "plan"]
+
+
+class Mode(enum.Enum):
+    """The rows of the handoff table (see the module docstring)."""
+
+    TRACKED_HOST = "tracked producer, host readiness"
+    TRACKED_ENQUEUE = "tracked producer, consumer stream"
+    TRACKED_OPT_OUT = "tracked producer, sync=False"
+    UNTRACKED_HOST = "producer stream, host readiness"
+    UNTRACKED_ENQUEUE = "producer stream, consumer stream"
+    UNTRACKED_OPT_OUT = "producer stream, sync=False"
+    READY = "nothing pending"
+
+
+def plan(*, tracked: bool, producer_stream: int | None, stream: object, synced: bool) -> Mode:
+    """The row for a handoff. ``stream``: the consumer's stream, or None."""
+    if tracked:
+        if not synced:
+            return Mode.TRACKED_OPT_OUT
+        return Mode.TRACKED_HOST if stream is None else Mode.TRACKED_ENQUEUE
+    if producer_stream is None:
+        return Mode.READY
+    if not synced:
+        return Mode.UNTRACKED_OPT_OUT
+    return Mode.UNTRACKED_HOST if stream is None else Mode.UNTRACKED_ENQUEUE
 
 
 def _sync_flag(sync: object) -> bool:
     if sync is None:
         return settings.sync
     if not isinstance(sync, bool):
-        raise TypeError(f"sync must be True, False or None, got {sync!r}")
+        raise TypeError(f"sync must be True, False or None, got {type(sync).__name__}")
     return sync
 
 
 class _Handoff:
-    """One array being consumed: the view to return, what the host must wait
-    for, and how to let go of it afterwards, whatever happened."""
+    """One array being consumed: ``begin`` makes it ready (bookkeeping and
+    enqueueing only), ``events`` is what the host then waits for, ``finish``
+    lets go whatever happened, ``back_edge`` ends a ``consuming()`` block."""
 
-    __slots__ = ("accesses", "events", "host_read", "producer", "sched", "stream", "tracked",
-                 "view")  # fmt: skip
+    mode: ClassVar[Mode]
 
-    def __init__(self, obj: object, stream: object, sync: object, backend: Backend) -> None:
-        synced = _sync_flag(sync)
-        self.sched: _Scheduler = scheduler_for(backend)
-        self.stream = None if stream is None else as_stream(stream, backend)
-        self.tracked: TrackedArray | None = lookup(obj, backend)
-        self.view: ArrayView = parse(obj) if self.tracked is None else self.tracked.view
-        self.events: list[tuple[int, Mark | None]] = []  # what the host waits for
-        self.accesses: list[_Access] = []  # a tracked array's pending writes, pinned
-        #: the untracked producer's stream, joined back at the end of consuming()
-        self.producer: int | None = None
-        #: the data is read on the host once ready (declared to the sanitizer)
-        self.host_read = synced and self.stream is None
-        if not synced:
-            self.tracked = None  # no back-edge either: the caller opted out
-            return
-        t, s, view = self.tracked, self.stream, self.view
-        if t is not None:
-            if s is None:
-                self.accesses = t._pending_writes()
-                self.events = [(a.event, a.mark) for a in self.accesses if a.event is not None]
-                self.view = view.with_stream(None)
-            else:
-                t._read_on(s)
-                self.view = view.with_stream(s.handle)
-                self._declare_stream_read(backend, s)
-            return
-        if view.stream is None:  # nothing pending: ready on the host and on any stream
-            if s is not None:
-                self.view = view.with_stream(s.handle)
-                self._declare_stream_read(backend, s)
-            return
-        self.producer = view.stream
-        if s is not None:
-            if view.stream != s.handle:
-                self.sched.join(s.handle, view.stream, keepalive=view)
-            self.view = view.with_stream(s.handle)
-            self._declare_stream_read(backend, s)
-            return
-        event = self.sched.pool.acquire()
-        try:
-            mark = record(backend, event, view.stream)
-        except BaseException:
-            self.sched.pool.release(event)
-            raise
-        self.events = [(event, mark)]
-        self.view = view.with_stream(None)
+    def __init__(self, sched: Scheduler, view: ArrayView, stream: Stream | None) -> None:
+        self.sched = sched
+        self.view = view
+        self.stream = stream
+        self.events: list[tuple[int, Mark | None]] = []
 
-    def _declare_stream_read(self, backend: Backend, s: Stream) -> None:
-        if _sanitizer.active:
-            _sanitizer.stream_access(backend, s.handle, reads=[byte_range(self.view)], writes=(),
-                                     what="consume(stream=...): the consumer's read")  # fmt: skip
+    def begin(self, me: Owner) -> Blocked | None:
+        return None
 
     def finish(self, *, complete: bool) -> None:
-        """Let go of the events: each returns to the pool once complete, and
-        the owner stays alive until then. Safe to call twice."""
-        if self.accesses:
-            assert self.tracked is not None
-            accesses, self.accesses = self.accesses, []
-            self.tracked._writes_done(accesses, complete=complete)
-        elif self.tracked is None:
-            for event, _ in self.events:
-                self.sched.pool.release(event, self.view)
-        self.events = []
-        if complete and self.host_read and _sanitizer.active:
-            self.host_read = False
-            _sanitizer.host_access("read", [byte_range(self.view)], "consume(): the host's read")
+        """Safe to call twice."""
 
     def back_edge(self) -> None:
-        """The producer's side waits for the consumer's work on ``stream``:
-        the spec's rule that the provided stream must not run ahead of the
-        consumer. Only enqueues GPU work."""
+        """Only enqueues GPU work."""
+
+    def _declare_host_read(self, complete: bool) -> None:
+        if complete and _sanitizer.active:
+            _sanitizer.host_access("read", [byte_range(self.view)], "consume(): the host's read")
+
+    def _declare_stream_read(self, s: Stream) -> None:
+        self.sched.declare_stream_read(s, self.view, "consume(stream=...): the consumer's read")
+
+
+class _Tracked(_Handoff):
+    def __init__(
+        self, sched: Scheduler, view: ArrayView, stream: Stream | None, work: PendingWork
+    ) -> None:
+        super().__init__(sched, view, stream)
+        self.work = work
+
+
+class _TrackedHost(_Tracked):
+    mode = Mode.TRACKED_HOST
+    accesses: list[Access] | None = None
+
+    def begin(self, me: Owner) -> Blocked | None:
+        got = self.work.try_pin_writes(me)
+        if isinstance(got, Blocked):
+            return got
+        self.accesses = got
+        self.events = [(a.event, a.mark) for a in got]
+        self.view = self.view.with_stream(None)
+        return None
+
+    def finish(self, *, complete: bool) -> None:
+        accesses, self.accesses = self.accesses, None
+        if accesses is not None:
+            self.work.unpin_writes(accesses, complete=complete)
+            self._declare_host_read(complete)
+
+
+class _TrackedEnqueue(_Tracked):
+    mode = Mode.TRACKED_ENQUEUE
+
+    def begin(self, me: Owner) -> Blocked | None:
+        assert self.stream is not None
+        got = self.work.try_read_on(self.stream, me)
+        if got is None:
+            self.view = self.view.with_stream(self.stream.handle)
+        return got
+
+    def back_edge(self) -> None:
+        assert self.stream is not None
+        self.work.read_done_on(self.stream)
+
+
+class _TrackedOptOut(_Tracked):
+    mode = Mode.TRACKED_OPT_OUT
+
+    def begin(self, me: Owner) -> Blocked | None:
+        if not settings.export_stream:
+            self.view = self.view.with_stream(None)
+            return None
+        got = self.work.try_export(self.work.export_stream, me)
+        if isinstance(got, Blocked):
+            return got
+        self.view = self.view.with_stream(got)
+        return None
+
+
+class _UntrackedHost(_Handoff):
+    mode = Mode.UNTRACKED_HOST
+
+    def begin(self, me: Owner) -> Blocked | None:
+        backend, producer = self.sched.backend, self.view.stream
+        assert producer is not None
+        self.view = self.view.with_stream(None)
+        query_stream = getattr(backend, "query_stream", None)
+        if query_stream is not None and query_stream(producer):
+            return None  # idle: the data is ready now, and no event is spent
+        pool = self.sched.pool
+        event = pool.acquire()
+        try:
+            mark = record(backend, event, stream_id_now(backend, producer))
+        except BaseException:
+            pool.release(event)
+            raise
+        self.events = [(event, mark)]
+        return None
+
+    def finish(self, *, complete: bool) -> None:
+        events, self.events = self.events, []
+        for event, _ in events:
+            self.sched.pool.release(event, self.view)  # the owner lives until it completes
+        self._declare_host_read(complete)
+
+
+class _UntrackedEnqueue(_Handoff):
+    mode = Mode.UNTRACKED_ENQUEUE
+
+    def __init__(self, sched: Scheduler, view: ArrayView, stream: Stream | None) -> None:
+        super().__init__(sched, view, stream)
+        assert view.stream is not None
+        self.producer: int = view.stream  # the view's own stream is replaced by begin()
+
+    def begin(self, me: Owner) -> Blocked | None:
+        s, producer = self.stream, self.producer
+        assert s is not None
+        key = stream_id_now(self.sched.backend, producer)
+        if key != s._key():
+            self.sched.join(s.handle, key, keepalive=self.view)
+        self.view = self.view.with_stream(s.handle)
+        self._declare_stream_read(s)
+        return None
+
+    def back_edge(self) -> None:
         s = self.stream
-        if s is None:
-            return
-        if self.tracked is not None:
-            self.tracked._record_read(s, self.sched.new_access(s))
-        elif self.producer is not None and self.producer != s.handle:
-            self.sched.join(self.producer, s.handle, keepalive=self.view)
+        assert s is not None
+        if stream_id_now(self.sched.backend, self.producer) != s._key():
+            self.sched.join(self.producer, s._key(), keepalive=self.view)
+
+
+class _UntrackedOptOut(_Handoff):
+    mode = Mode.UNTRACKED_OPT_OUT
+
+
+class _Ready(_Handoff):
+    mode = Mode.READY
+
+    def begin(self, me: Owner) -> Blocked | None:
+        if self.stream is not None:
+            self.view = self.view.with_stream(self.stream.handle)
+            self._declare_stream_read(self.stream)
+        return None
+
+    def finish(self, *, complete: bool) -> None:
+        if self.stream is None:
+            self._declare_host_read(complete)
+
+
+_ROWS: dict[Mode, type[_Handoff]] = {
+    row.mode: row
+    for row in (
+        _TrackedHost,
+        _TrackedEnqueue,
+        _TrackedOptOut,
+        _UntrackedHost,
+        _UntrackedEnqueue,
+        _UntrackedOptOut,
+        _Ready,
+    )
+}
+
+
+def _handoff(obj: object, stream: object, sync: object, backend: Backend) -> _Handoff:
+    """Choose the row for ``obj``: validation and lookups only, no effects."""
+    synced = _sync_flag(sync)
+    s = None if stream is None else as_stream(stream, backend)
+    sched = scheduler_for(backend)
+    found = lookup(obj, backend)
+    if found is not None:
+        work, view = found
+        mode = plan(tracked=True, producer_stream=None, stream=s, synced=synced)
+        row = _ROWS[mode]
+        assert issubclass(row, _Tracked)
+        return row(sched, view, s, work)
+    view = parse(obj)
+    mode = plan(tracked=False, producer_stream=view.stream, stream=s, synced=synced)
+    return _ROWS[mode](sched, view, s)
 
 
 def _handoffs(objs: Sequence[object], stream: object, sync: object) -> list[_Handoff]:
     backend = current_backend()
-    made: list[_Handoff] = []
-    try:
-        for obj in objs:
-            made.append(_Handoff(obj, stream, sync, backend))
-    except BaseException:
-        for h in made:
-            h.finish(complete=False)
-        raise
-    return made
+    return [_handoff(obj, stream, sync, backend) for obj in objs]
 
 
-async def _await_all(handoffs: list[_Handoff], timeout: float | None) -> None:
+async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
+    """Begin every handoff, then wait for them all on the host, yielding."""
+    deadline = None if timeout is None else anyio.current_time() + timeout
+    begun: list[_Handoff] = []
     complete = False
     try:
+        me = current_owner()
+        for h in handoffs:
+            while (blocked := h.begin(me)) is not None:
+                await wait_block_async(blocked.block, deadline)
+            begun.append(h)
         events = [e for h in handoffs for e in h.events]
         if events:
-            await wait_for_events(handoffs[0].sched.backend, events, timeout=timeout)
+            left = None if deadline is None else max(0.0, deadline - anyio.current_time())
+            await wait_for_events(handoffs[0].sched.backend, events, timeout=left)
         else:
             await anyio.lowlevel.checkpoint()
         complete = True
     finally:
-        for h in handoffs:
+        for h in begun:
             h.finish(complete=complete)
 
 
@@ -164,17 +322,23 @@ async def consume(
     GPU work: ``s`` waits for the producer's stream and the call returns at
     once (after one cancellation checkpoint); ``view.stream`` is ``s``'s handle.
     ``sync=False`` (or ``CAI_STREAMS_SYNC=0`` when ``sync`` is None) waits for
-    nothing, and ``view.stream`` is the producer's stream. A tracked array is
-    waited for through its own pending writes.
+    nothing, and ``view.stream`` names the producer's stream (for a tracked
+    array: its export stream, with the pending writes joined onto it).
 
-    Always a cancellation point. ``timeout`` (seconds) raises
-    :class:`TimeoutError`. Cancelled or timed out, nothing leaks: the event goes
-    back to the pool when its work completes, and the owner lives until then.
-    A failed kernel before the handoff raises :class:`~cai_streams.CudaError`.
+    A tracked array is waited for through its own pending writes, plus what
+    its interface reports pending; every consumer of it is protected, not only
+    the last: its next ``writing()`` waits for each. If another thread has a
+    ``writing()`` block of it open, this waits (yielding) for the block to end.
+
+    Always a cancellation point. ``timeout`` (seconds) bounds everything and
+    raises :class:`TimeoutError`; ``timeout=0`` takes data that is ready now.
+    Cancelled or timed out, nothing leaks: each event goes back to the pool
+    when its work completes, and the owner lives until then. A failed kernel
+    before the handoff raises :class:`~cai_streams.CudaError`.
     """
     check_timeout(timeout)
     (handoff,) = _handoffs([obj], stream, sync)
-    await _await_all([handoff], timeout)
+    await _run([handoff], timeout)
     return handoff.view
 
 
@@ -184,11 +348,12 @@ async def consume_all(
     """:func:`consume` for several arrays at once: their views, in order.
 
     One wait (yields to the event loop) covers all of them; ``timeout`` bounds
-    the whole. If one fails or the call is cancelled, all are let go.
+    the whole. The same array may appear more than once. If one fails or the
+    call is cancelled, all are let go.
     """
     check_timeout(timeout)
     handoffs = _handoffs(objs, stream, sync)
-    await _await_all(handoffs, timeout)
+    await _run(handoffs, timeout)
     return [h.view for h in handoffs]
 
 
@@ -199,14 +364,22 @@ def consume_blocking(
 
     ``stream=None`` blocks until the data is ready on the host (at most
     ``timeout`` seconds, then :class:`TimeoutError`); ``stream=s`` only
-    enqueues GPU work, as in :func:`consume`. Never call it from a coroutine.
+    enqueues GPU work, as in :func:`consume` (it may block while another
+    thread holds a ``writing()`` block of a tracked array). Never call it
+    from a coroutine.
     """
     check_timeout(timeout)
     (handoff,) = _handoffs([obj], stream, sync)
+    limit = BLOCK_TIMEOUT if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    me = current_owner()
+    while (blocked := handoff.begin(me)) is not None:
+        wait_block_sync(blocked.block, me, deadline, "consume_blocking()")
     complete = False
     try:
         events = [e for e, _ in handoff.events]
-        wait_blocking(handoff.sched.backend, events, timeout=timeout, keepalive=obj)
+        left = None if timeout is None else max(0.0, deadline - time.monotonic())
+        wait_blocking(handoff.sched.backend, events, timeout=left, keepalive=obj)
         complete = True
     finally:
         handoff.finish(complete=complete)
@@ -228,7 +401,7 @@ async def consuming(
     """
     check_timeout(timeout)
     (handoff,) = _handoffs([obj], stream, sync)
-    await _await_all([handoff], timeout)
+    await _run([handoff], timeout)
     try:
         yield handoff.view
     finally:

@@ -20,9 +20,10 @@ import numpy as np
 
 from . import sim
 from ._consume import consume, consume_blocking
-from ._scheduler import TrackedArray, stats, track
+from ._scheduler import stats
 from ._stream import Stream
 from ._trace import Trace, trace
+from ._tracked import TrackedArray, track
 
 SHAPE = (256, 1024)  # float32: 1 MiB a batch
 COPY_TIME = 0.004  # seconds per host-to-device copy

@@ -6,11 +6,11 @@ import itertools
 import threading
 import warnings
 from collections import deque
-from collections.abc import Hashable
 from typing import Final, NamedTuple
 
 from ._backend import Backend
 from ._errors import CudaError, CudaWarning
+from ._identity import StreamId
 
 __all__ = ["EventPool", "Mark", "record"]
 
@@ -22,18 +22,20 @@ class Mark(NamedTuple):
 
     Events recorded on one stream complete in the order they were recorded
     (a stream is a FIFO), so a poller that finds one not done need not query
-    the later ones. ``key`` tells streams apart: the per-thread default stream
-    (2) is a different stream in each host thread.
+    the later ones. ``key`` is the stream's identity (handle 2 is a different
+    stream in each thread; a reused handle is a different stream).
     """
 
-    key: Hashable
+    key: StreamId
     seq: int
 
 
-def record(backend: Backend, event: int, stream: int) -> Mark:
-    """Record ``event`` on ``stream`` and return its :class:`Mark`. Only enqueues."""
-    backend.record(event, stream)
-    key: Hashable = (stream, threading.get_ident()) if stream == 2 else stream
+def record(backend: Backend, event: int, key: StreamId) -> Mark:
+    """Record ``event`` on the stream ``key`` names and return its :class:`Mark`.
+
+    Only enqueues. For handle 2 the caller must be ``key``'s thread.
+    """
+    backend.record(event, key.handle)
     return Mark(key, next(_order))
 
 
@@ -45,45 +47,38 @@ class EventPool:
     """Events handed out for pending work and taken back when released.
 
     A released event returns to the free list only once it is complete, so no
-    stream wait can still be reading it; until then it is held (with its
-    stream) and reclaimed later. Growth is bounded by the work in flight.
+    stream wait can still be reading it; until then it is held (with what it
+    keeps alive) and reclaimed later. Growth is bounded by the work in flight.
+    An event a waiter still reads is never released here: its access holds it
+    (see ``_pending.Access``).
     """
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._free: list[int] = []
         self._draining: deque[tuple[int, object]] = deque()
-        self._pins: dict[int, int] = {}
         self.created = 0
         self.destroyed = 0
         self.acquired = 0
 
     def acquire(self) -> int:
         with self._lock:
-            self.acquired += 1
             self._reclaim(limit=4)
             if self._free:
+                self.acquired += 1
                 return self._free.pop()
+        event = self._backend.create_event()  # may raise: count only what exists
+        with self._lock:
             self.created += 1
-        return self._backend.create_event()
+            self.acquired += 1
+        return event
 
     def release(self, event: int, keepalive: object = None) -> None:
-        """Give ``event`` back; ``keepalive`` (its stream) is held until it completes."""
+        """Give ``event`` back; ``keepalive`` (its stream, an owner) is held until it completes."""
         with self._lock:
             self._draining.append((event, keepalive))
             self._reclaim(limit=2)
-
-    def pin(self, event: int) -> None:
-        """Keep ``event`` from reuse while a waiter reads it, even once released."""
-        with self._lock:
-            self._pins[event] = self._pins.get(event, 0) + 1
-
-    def unpin(self, event: int) -> None:
-        with self._lock:
-            count = self._pins.pop(event) - 1
-            if count:
-                self._pins[event] = count
 
     def reclaim(self) -> None:
         """Move every completed released event to the free list."""
@@ -94,7 +89,7 @@ class EventPool:
         for _ in range(min(limit, len(self._draining))):
             event, keepalive = self._draining[0]
             try:
-                done = event not in self._pins and self._backend.query(event)
+                done: bool | None = self._backend.query(event)
             except CudaError:
                 done = None  # its work failed: never reuse it
             if done is False:
@@ -120,5 +115,5 @@ class EventPool:
 
     @property
     def in_flight(self) -> int:
-        """Events handed out or released but not yet complete."""
+        """Events handed out, or released but not yet complete."""
         return self.created - self.destroyed - len(self._free)

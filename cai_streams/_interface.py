@@ -16,11 +16,15 @@ import numpy as np
 
 from ._errors import InterfaceError
 
-__all__ = ["ArrayView", "parse", "c_strides", "is_c_contiguous", "v3_dict"]
+__all__ = ["ArrayView", "c_strides", "is_c_contiguous", "parse", "stream_of", "v3_dict"]
 
 _REQUIRED: Final = ("shape", "typestr", "data", "version")
 _TYPESTR: Final = re.compile(r"[<>|][bifucmMSUV]\d+(\[\d*[A-Za-z]+\])?")
 _LATEST: Final = 3
+#: pointers and stream handles are 64-bit values; byte extents must stay within them
+_ADDRESS_LIMIT: Final = 1 << 64
+#: a mask may have a mask of its own; beyond this depth it is taken for a cycle
+_MAX_MASK_DEPTH: Final = 8
 _dtypes: dict[str, np.dtype[Any]] = {}
 
 
@@ -76,6 +80,7 @@ class ArrayView:
     """
 
     __slots__ = (
+        "__weakref__",
         "_cai",
         "dtype",
         "mask",
@@ -118,6 +123,15 @@ class ArrayView:
         """The same view with another ``stream`` entry."""
         if stream == self.stream:
             return self
+        return self._replace(stream, self.owner)
+
+    def _with_owner(self, owner: object) -> ArrayView:
+        """The same view keeping ``owner`` alive instead (None: nothing)."""
+        if owner is self.owner:
+            return self
+        return self._replace(self.stream, owner)
+
+    def _replace(self, stream: int | None, owner: object) -> ArrayView:
         return _make(
             self.ptr,
             self.shape,
@@ -130,7 +144,7 @@ class ArrayView:
             self.version,
             self.mask,
             stream,
-            self.owner,
+            owner,
         )
 
     @property
@@ -171,7 +185,9 @@ class ArrayView:
         )
 
 
-_setters = {name: getattr(ArrayView, name).__set__ for name in ArrayView.__slots__}
+_setters = {
+    name: getattr(ArrayView, name).__set__ for name in ArrayView.__slots__ if name != "__weakref__"
+}
 _set_cai = _setters["_cai"]
 
 
@@ -291,10 +307,35 @@ def _dtype(typestr: object, descr: object) -> np.dtype[Any]:
     return dtype
 
 
+def stream_of(obj: object) -> int | None:
+    """Only the ``stream`` entry of ``obj``'s interface, validated as :func:`parse`
+    validates it (None before version 3). Reads the interface once; enqueues nothing.
+    """
+    if isinstance(obj, ArrayView):
+        return obj.stream
+    cai = _read(obj)
+    if not isinstance(cai, Mapping):
+        return parse(obj).stream  # the unusual cases, with parse's messages
+    version: Any = cai.get("version")
+    if not _is_int(version) or not 0 <= version <= _LATEST:
+        return parse(obj).stream
+    stream: Any = cai.get("stream") if version >= 3 else None
+    if stream is None:
+        return None
+    if not _is_int(stream) or not 0 < stream < _ADDRESS_LIMIT:
+        return parse(obj).stream  # raises, naming the field
+    return int(stream)
+
+
 def parse(obj: object) -> ArrayView:
     """Read and validate ``obj.__cuda_array_interface__`` (once). Does not block,
     enqueues nothing; ``view.stream`` says where pending work must be waited for.
     """
+    return _parse(obj, ())
+
+
+def _parse(obj: object, masking: tuple[int, ...]) -> ArrayView:
+    """``masking``: the ids of the arrays whose mask this is (a cycle is refused)."""
     if isinstance(obj, ArrayView):
         return obj
     cai = _read(obj)
@@ -340,8 +381,8 @@ def parse(obj: object) -> ArrayView:
     if type(data) is not tuple or len(data) != 2:
         raise _bad("data", data, "a 2-tuple (pointer: int, read-only: bool)")
     ptr, readonly = data
-    if not _is_int(ptr) or ptr < 0:
-        raise _bad("data", data, "a non-negative int pointer as its first element")
+    if not _is_int(ptr) or not 0 <= ptr < _ADDRESS_LIMIT:
+        raise _bad("data", data, "a non-negative int pointer below 2**64 as its first element")
     if not isinstance(readonly, (bool, np.bool_)):
         raise _bad("data", data, "a bool read-only flag as its second element")
     ptr = int(ptr) if size else 0  # a zero-size array has no data to point at
@@ -359,6 +400,13 @@ def parse(obj: object) -> ArrayView:
         raise _bad("strides", raw_strides, f"None or a tuple of {len(shape)} ints (bytes)")
     else:
         strides = tuple(int(s) for s in raw_strides)
+    lo, hi = extent(ptr, shape, strides, itemsize)
+    if size and not (0 <= lo and hi <= _ADDRESS_LIMIT):
+        raise _bad(
+            "strides" if raw_strides is not None else "shape",
+            raw_strides if raw_strides is not None else shape,
+            f"a layout whose bytes stay within 64-bit addresses (it reaches [{lo:#x}, {hi:#x}))",
+        )
 
     stream = None
     if version >= 3:
@@ -374,8 +422,8 @@ def parse(obj: object) -> ArrayView:
                     "None, 1 (legacy default), 2 (per-thread default) or a stream handle; "
                     "0 is disallowed by the spec",
                 )
-            if stream < 0:
-                raise _bad("stream", stream, "a positive stream handle")
+            if not 0 < stream < _ADDRESS_LIMIT:
+                raise _bad("stream", stream, "a positive stream handle below 2**64")
 
     mask = None
     if version >= 1:
@@ -383,7 +431,12 @@ def parse(obj: object) -> ArrayView:
         if raw_mask is not None:
             if not hasattr(raw_mask, "__cuda_array_interface__"):
                 raise _bad("mask", raw_mask, "None or an object exposing __cuda_array_interface__")
-            mask = parse(raw_mask)
+            here = (*masking, id(obj))
+            if id(raw_mask) in here or len(here) > _MAX_MASK_DEPTH:
+                raise _bad(
+                    "mask", raw_mask, "a mask that is not the array, nor masks nested without end"
+                )
+            mask = _parse(raw_mask, here)
             if mask.shape != shape:
                 raise _bad(
                     "mask", raw_mask, f"a mask of the array's shape {shape}, not {mask.shape}"

@@ -18,6 +18,7 @@ Between passes the poller sleeps according to :class:`PollPolicy`.
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from collections import deque
@@ -26,9 +27,9 @@ from dataclasses import dataclass
 
 import anyio
 import anyio.lowlevel
+import sniffio
 
 from ._backend import Backend
-from ._errors import CudaError
 from ._events import Mark
 
 __all__ = ["PollPolicy", "poll_policy", "set_poll_policy", "wait_for_event", "wait_for_events"]
@@ -122,38 +123,50 @@ class _Counters:
 counters = _Counters()
 
 
+class _State(enum.Enum):
+    WAITING = "waiting"
+    DONE = "done"
+    #: the query raised: each waiter queries again in its own task, which
+    #: raises the driver's error there (or finds the event complete after all)
+    FAILED = "failed"
+    #: the poller task ended (cancelled by shutdown code, say) before the event
+    #: completed: the waiters register again, which starts a new poller
+    ORPHANED = "orphaned"
+
+
 class _Entry:
     """One pending event and the waiters woken when it completes."""
 
-    __slots__ = ("backend", "error", "event", "seq", "waiters")
+    __slots__ = ("backend", "event", "seq", "state", "waiters")
 
     def __init__(self, backend: Backend, event: int, seq: int) -> None:
         self.backend = backend
         self.event = event
         self.seq = seq
         self.waiters: list[anyio.Event] = []
-        self.error = False
+        self.state = _State.WAITING
 
 
 class _Poller:
     """The poll loop of one event loop."""
 
     def __init__(self) -> None:
-        # per (backend, stream key): entries in record order
-        self.queues: dict[tuple[int, Hashable], deque[_Entry]] = {}
-        self.entries: dict[tuple[int, int], _Entry] = {}
+        # per stream identity (or per lone event): entries in record order
+        self.queues: dict[Hashable, deque[_Entry]] = {}
+        self.entries: dict[tuple[Backend, int], _Entry] = {}
         self.running = False
-        self.fresh = False
+        self.new_waiter = False
+        self.generation = 0  # of the poller task: a new one per start
         self._task: object = None  # asyncio needs a strong reference to its task
 
     def add(self, backend: Backend, event: int, mark: Mark | None, waiter: anyio.Event) -> _Entry:
-        entry = self.entries.get((id(backend), event))
+        entry = self.entries.get((backend, event))
         if entry is None:
-            key: Hashable = mark.key if mark is not None else ("event", event)
+            key: Hashable = mark.key if mark is not None else ("event", backend, event)
             seq = mark.seq if mark is not None else -1
             entry = _Entry(backend, event, seq)
-            self.entries[(id(backend), event)] = entry
-            queue = self.queues.setdefault((id(backend), key), deque())
+            self.entries[(backend, event)] = entry
+            queue = self.queues.setdefault(key, deque())
             if not queue or queue[-1].seq <= seq:
                 queue.append(entry)
             else:  # recorded before something already waited on: keep record order
@@ -162,17 +175,17 @@ class _Poller:
                     i -= 1
                 queue.insert(i, entry)
         entry.waiters.append(waiter)
-        self.fresh = True
+        self.new_waiter = True
         if not self.running:
             self._start()
         return entry
 
-    def known_pending(self, backend: Backend, mark: Mark | None) -> bool:
+    def known_pending(self, mark: Mark | None) -> bool:
         """Whether an older event of the same stream is already known not to be
         complete (then neither is this one, and it need not be queried)."""
         if mark is None:
             return False
-        queue = self.queues.get((id(backend), mark.key))
+        queue = self.queues.get(mark.key)
         return queue is not None and len(queue) > 0 and queue[0].seq < mark.seq
 
     def remove(self, entry: _Entry, waiter: anyio.Event) -> None:
@@ -182,33 +195,54 @@ class _Poller:
             entry.waiters.remove(waiter)
         except ValueError:
             return
-        if not entry.waiters and self.entries.get((id(entry.backend), entry.event)) is entry:
-            del self.entries[(id(entry.backend), entry.event)]
+        key = (entry.backend, entry.event)
+        if not entry.waiters and self.entries.get(key) is entry:
+            del self.entries[key]
 
     def _start(self) -> None:
-        import asyncio
-
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # not asyncio: anyio's other backend is trio
+        self.generation += 1
+        generation = self.generation
+        if sniffio.current_async_library() == "trio":
             import trio
 
-            trio.lowlevel.spawn_system_task(self._run, name="cai_streams poller")
-        else:
-            self._task = loop.create_task(self._run(), name="cai_streams poller")
+            trio.lowlevel.spawn_system_task(self._run, generation, name="cai_streams poller")
+        else:  # asyncio, uvloop
+            import asyncio
+
+            task = asyncio.get_running_loop().create_task(
+                self._run(generation), name="cai_streams poller"
+            )
+            # A task cancelled before it first runs never runs its finally clause.
+            task.add_done_callback(lambda _: self._ended(generation))
+            self._task = task
         self.running = True
 
-    async def _run(self) -> None:
+    async def _run(self, generation: int) -> None:
         try:
             delays = iter(_policy.delays())
             while self.queues:
-                if await self._pass() or self.fresh:
-                    self.fresh = False
+                if await self._pass() or self.new_waiter:
+                    self.new_waiter = False
                     delays = iter(_policy.delays())
                 await anyio.sleep(next(delays))
         finally:
-            self.running = False
-            self._task = None
+            self._ended(generation)
+
+    def _ended(self, generation: int) -> None:
+        """The poller task of ``generation`` ended, done or cancelled (by shutdown
+        code, say): wake the waiters it leaves, so they start a new one."""
+        if generation != self.generation or not self.running:
+            return
+        self.running = False
+        self._task = None
+        queues, self.queues = self.queues, {}
+        self.entries = {}
+        for queue in queues.values():
+            for entry in queue:
+                if entry.state is _State.WAITING:
+                    entry.state = _State.ORPHANED
+                    for waiter in entry.waiters:
+                        waiter.set()
 
     async def _pass(self) -> bool:
         """Query each stream's oldest pending event; wake what completed."""
@@ -226,12 +260,14 @@ class _Poller:
                 counters.queries += 1
                 try:
                     done = entry.backend.query(entry.event)
-                except Exception:  # CudaError, or a broken backend: never strand waiters
-                    done = entry.error = True
-                if not done:
-                    break
+                except Exception:  # never strand waiters: each re-queries in its own task
+                    entry.state = _State.FAILED
+                else:
+                    if not done:
+                        break
+                    entry.state = _State.DONE
                 queue.popleft()
-                self.entries.pop((id(entry.backend), entry.event), None)
+                self.entries.pop((entry.backend, entry.event), None)
                 for waiter in entry.waiters:
                     waiter.set()
                 counters.wakes += len(entry.waiters)
@@ -273,35 +309,50 @@ async def wait_for_events(
     """Wait until every event is complete, yielding to the event loop.
 
     A cancellation point in every case (one checkpoint when all are already
-    complete). Cancelling or timing out withdraws the waits and leaves the
-    events alone: their owners release them. A failed event raises its
-    :class:`~cai_streams.CudaError` here.
+    complete, which ``timeout=0`` accepts). Cancelling or timing out withdraws
+    the waits and leaves the events alone: their owners release them. A failed
+    event raises the driver's :class:`~cai_streams.CudaError` here, in the
+    waiting task. If the shared poller task is cancelled, the waiters start a
+    new one.
     """
     check_timeout(timeout)
     poller = _current_poller()
-    pending: list[tuple[int, Mark | None]] = []
-    for event, mark in events:
-        if poller.known_pending(backend, mark) or not backend.query(event):
-            pending.append((event, mark))
+    pending = [
+        (event, mark)
+        for event, mark in events
+        if poller.known_pending(mark) or not backend.query(event)
+    ]
     if not pending:
         await anyio.lowlevel.checkpoint()
         return
     with anyio.fail_after(timeout):
-        registered: list[tuple[_Entry, anyio.Event]] = []
-        try:
-            for event, mark in pending:
-                waiter = anyio.Event()
-                registered.append((poller.add(backend, event, mark, waiter), waiter))
-            for entry, waiter in registered:
-                await waiter.wait()
-                if entry.error:
-                    backend.query(entry.event)  # raises the driver's error in this task
-                    raise CudaError(0, "cudaErrorUnknown", "the poller could not query an event")
-        finally:
-            for entry, waiter in registered:
-                if not waiter.is_set():
-                    poller.remove(entry, waiter)
+        while pending:
+            pending = await _wait_once(_current_poller(), backend, pending)
     del keepalive
+
+
+async def _wait_once(
+    poller: _Poller, backend: Backend, pending: list[tuple[int, Mark | None]]
+) -> list[tuple[int, Mark | None]]:
+    """One registration of every pending event; returns those to wait for again."""
+    registered: list[tuple[_Entry, anyio.Event]] = []
+    try:
+        for event, mark in pending:
+            waiter = anyio.Event()
+            registered.append((poller.add(backend, event, mark, waiter), waiter))
+        for _, waiter in registered:
+            await waiter.wait()
+    finally:
+        for entry, waiter in registered:
+            if not waiter.is_set():
+                poller.remove(entry, waiter)
+    again = []
+    for (entry, _), item in zip(registered, pending, strict=True):
+        if entry.state is _State.ORPHANED:
+            again.append(item)
+        elif entry.state is _State.FAILED and not backend.query(entry.event):  # may raise
+            again.append(item)
+    return again
 
 
 async def wait_for_event(

@@ -25,9 +25,14 @@ declares a whole array is checked as touching all of it, strided or not);
 accesses only where the program declares them (``sim.launch`` reads/writes,
 ``to_host``, ``writing``/``reading`` blocks, ``consume``, ``export``), so work
 another library enqueues without declaring it is invisible; ordering between
-host threads through Python (locks, queues, ``to_thread``) is not seen, so a
-host thread is ordered only after what it waited for itself; memory freed and
-reused is forgotten on the simulated device only.
+host threads through Python (locks, queues, ``to_thread``) is not seen unless
+the program says so with ``happens_before(token)`` / ``happens_after(token)``
+(the library's own locks are seen), so a host thread is otherwise ordered only
+after what it waited for itself; memory freed and reused is forgotten on the
+simulated device only.
+
+Actors are stream identities (``_identity.StreamId``): a stream closed and
+its handle reused is a new actor, and handle 2 is one actor per host thread.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,11 +48,12 @@ from types import FrameType
 from typing import Any, Final
 
 from . import _observe
-from ._backend import Backend
+from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
 from ._errors import HazardError
+from ._identity import StreamId, stream_id_now, thread_serial
 from ._observe import Observer
 
-__all__ = ["sanitize", "sanitizing"]
+__all__ = ["happens_after", "happens_before", "sanitize", "sanitizing"]
 
 _PACKAGE_DIR: Final = os.path.dirname(os.path.abspath(__file__))
 _BUCKET: Final = 1 << 20  # shadow ranges are indexed by 1 MiB bucket
@@ -77,12 +84,8 @@ class Access:
 def actor_name(actor: Actor) -> str:
     if actor[0] == "host":
         return f"host thread {actor[2]!r}"
-    handle = actor[2]
-    if handle == 1:
-        return "stream 0x1 (legacy default)"
-    if handle == 2:
-        return f"stream 0x2 (per-thread default of thread {actor[3]})"
-    return f"stream {handle:#x}"
+    key: StreamId = actor[1]
+    return key.describe()
 
 
 class _Shadow:
@@ -100,24 +103,24 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.clocks: dict[Actor, Clock] = {}
-        self.events: dict[tuple[int, int], Clock] = {}
+        self.events: dict[tuple[Backend, int], Clock] = {}
         self.shadows: dict[tuple[int, int], _Shadow] = {}
         self.buckets: dict[int, set[tuple[int, int]]] = {}
         self.blocking: set[Actor] = set()
+        self.locks: weakref.WeakKeyDictionary[object, Clock] = weakref.WeakKeyDictionary()
+        self.tokens: dict[Hashable, Clock] = {}
         self.checked = 0
 
     # -- actors and clocks -------------------------------------------------
 
     @staticmethod
     def host() -> Actor:
-        t = threading.current_thread()
-        return ("host", t.ident, t.name)
+        return ("host", thread_serial(), threading.current_thread().name)
 
     @staticmethod
     def stream(backend: Backend, handle: int) -> Actor:
-        if handle == 2:
-            return ("stream", id(backend), 2, threading.get_ident())
-        return ("stream", id(backend), handle)
+        """The stream ``handle`` is for work the calling thread enqueues now."""
+        return ("stream", stream_id_now(backend, handle))
 
     def clock(self, actor: Actor) -> Clock:
         c = self.clocks.get(actor)
@@ -136,15 +139,17 @@ class _State:
         """The calling host thread enqueues on ``handle``: the stream's clock,
         joined with the thread's and by the legacy/blocking-stream rule."""
         actor = self.stream(backend, handle)
+        key: StreamId = actor[1]
         c = self.clock(actor)
         self.join(c, self.clock(self.host()))
-        if handle == 1:
+        if handle == LEGACY_DEFAULT_STREAM:
             for b in self.blocking:
-                if b[1] == id(backend):
+                other: StreamId = b[1]
+                if other.backend is backend and other.device == key.device:
                     self.join(c, self.clock(b))
-        elif handle == 2:
+        elif handle == PER_THREAD_DEFAULT_STREAM:
             self.blocking.add(actor)
-            self.join(c, self.clock(self.stream(backend, 1)))
+            self.join(c, self.clock(self.stream(backend, LEGACY_DEFAULT_STREAM)))
         return c
 
     # -- shadow memory -----------------------------------------------------
@@ -313,6 +318,60 @@ def host_access(kind: str, ranges: Iterable[tuple[int, int]], what: str) -> None
         state.access(actor, state.clock(actor), items, what, site)
 
 
+def acquired(lock_owner: object) -> None:
+    """The calling thread took a library lock: it is ordered after whatever
+    the threads that held it before had done (a mutex, as ThreadSanitizer
+    models one). The library's own bookkeeping is real ordering between host
+    threads: a write another thread saw complete and then forgot is behind
+    this thread too."""
+    state = _state
+    with state.lock:
+        found = state.locks.get(lock_owner)
+        if found is not None:
+            state.join(state.clock(state.host()), found)
+
+
+def released(lock_owner: object) -> None:
+    """The calling thread lets go of a library lock (see :func:`acquired`)."""
+    _join_host_into(_state.locks, lock_owner)
+
+
+def happens_before(token: Hashable) -> None:
+    """Tell the sanitizer that this thread hands over to whoever calls
+    :func:`happens_after` with ``token`` (a queue put, a lock release, an
+    event set: orderings between host threads it cannot see).
+
+    Everything this thread did before is then ordered before what the
+    receiving thread does after. ``token`` is any hashable value; calls with
+    the same one accumulate. Does not block; a no-op while the sanitizer is off.
+    """
+    if active:
+        _state.tokens.setdefault(token, {})
+        _join_host_into(_state.tokens, token)
+
+
+def happens_after(token: Hashable) -> None:
+    """The receiving side of :func:`happens_before`: this thread is ordered
+    after every ``happens_before(token)`` made so far. Does not block."""
+    if active:
+        state = _state
+        with state.lock:
+            found = state.tokens.get(token)
+            if found is not None:
+                state.join(state.clock(state.host()), found)
+
+
+def _join_host_into(table: Any, key: Any) -> None:
+    state = _state
+    with state.lock:
+        clock = table.get(key)
+        host = state.clock(state.host())
+        if clock is None:
+            table[key] = dict(host)
+        else:
+            state.join(clock, host)
+
+
 def forget(lo: int, hi: int) -> None:
     """Device memory ``[lo, hi)`` was freed."""
     if active:
@@ -329,17 +388,17 @@ class _Watcher(Observer):
     def recorded(self, backend: Backend, event: int, stream: int) -> None:
         with _state.lock:
             # enqueue() already joined the host into the stream: capture its clock
-            _state.events[(id(backend), event)] = dict(_state.clock(_state.stream(backend, stream)))
+            _state.events[(backend, event)] = dict(_state.clock(_state.stream(backend, stream)))
 
     def waited(self, backend: Backend, stream: int, event: int) -> None:
         with _state.lock:
-            captured = _state.events.get((id(backend), event))
+            captured = _state.events.get((backend, event))
             if captured is not None:  # a never-recorded event orders nothing
                 _state.join(_state.clock(_state.stream(backend, stream)), captured)
 
     def completed(self, backend: Backend, event: int) -> None:
         with _state.lock:
-            captured = _state.events.get((id(backend), event))
+            captured = _state.events.get((backend, event))
             if captured is not None:
                 _state.join(_state.clock(_state.host()), captured)
 
@@ -354,7 +413,7 @@ class _Watcher(Observer):
 
     def destroyed(self, backend: Backend, event: int) -> None:
         with _state.lock:
-            _state.events.pop((id(backend), event), None)
+            _state.events.pop((backend, event), None)
 
 
 _watcher = _Watcher()

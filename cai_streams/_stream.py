@@ -1,15 +1,32 @@
-"""Stream and Event: handle wrappers over the backend that made them."""
+"""Stream and Event: handle wrappers over the backend that made them, with one identity.
+
+A :class:`Stream` knows its :class:`~cai_streams._identity.StreamId` (backend,
+device, handle, generation, and for handle 2 its thread); equality, the
+scheduler, the poller, the sanitizer and the tracer all use it.
+"""
 
 from __future__ import annotations
 
 import sys
 import warnings
 
-from ._backend import Backend, current_backend
+from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._errors import CudaWarning
 from ._events import Mark, record
+from ._identity import (
+    Lifetime,
+    StreamId,
+    backend_serial,
+    lifetime_of,
+    new_lifetime,
+    thread_serial,
+)
+from ._poller import wait_for_event
 
-__all__ = ["Event", "Stream", "stream_handle_of"]
+__all__ = ["Event", "Stream", "as_stream", "stream_handle_of"]
+
+#: handles and pointers are 64-bit values in CUDA
+MAX_HANDLE = (1 << 64) - 1
 
 _EXPECTED = (
     "an int stream handle (1 legacy default, 2 per-thread default, or a cudaStream_t), "
@@ -22,6 +39,8 @@ def _checked_handle(value: object, what: str) -> int:
         raise TypeError(f"{what} must be an int stream handle, got {type(value).__name__}")
     if value < 0:
         raise ValueError(f"{what} must be a non-negative stream handle, got {value}")
+    if value > MAX_HANDLE:
+        raise ValueError(f"{what} must fit in 64 bits, got {value:#x}")
     return value
 
 
@@ -84,18 +103,56 @@ class Stream:
 
     ``Stream()`` owns a new non-blocking stream and destroys it on :meth:`close`
     (or when collected). :meth:`wrap` borrows one that something else owns.
-    Equal and hashed by backend and handle.
+
+    Two Streams are equal when they are the same live stream: same backend,
+    same device, same handle, and, for a stream this library made, the same
+    stream and not a later one that CUDA gave the closed one's handle to.
+    Handle 2 (the per-thread default stream) is a different stream in each
+    host thread: ``Stream.wrap(2)`` names the wrapping thread's.
     """
 
-    __slots__ = ("__weakref__", "_backend", "_closed", "_handle", "_keepalive", "_owned")
+    __slots__ = (
+        "__weakref__",
+        "_backend",
+        "_closed",
+        "_handle",
+        "_id",
+        "_keepalive",
+        "_lifetime",
+        "_owned",
+    )
 
-    def __init__(self) -> None:
-        """Create a new non-blocking stream. Does not block; enqueues nothing."""
-        self._backend: Backend = current_backend()
-        self._handle: int = self._backend.create_stream()
+    _backend: Backend
+    _closed: bool
+    _handle: int
+    _id: StreamId
+    _keepalive: object
+    _lifetime: Lifetime | None
+    _owned: bool
+
+    def __init__(self, device: int | None = None) -> None:
+        """Create a new non-blocking stream on ``device`` (None: the current device).
+
+        Does not block; enqueues nothing.
+        """
+        backend = current_backend()
+        current = backend.current_device()
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
+            raise TypeError(f"device must be None or an int, got {type(device).__name__}")
+        if device is not None and device != current:
+            raise ValueError(
+                f"device {device} is not this thread's current device ({current}): "
+                "streams are made on the current device"
+            )
+        self._owned = False  # until the stream exists: __del__ must not destroy anything
+        self._closed = True
+        self._backend = backend
+        self._handle = backend.create_stream()
         self._owned = True
         self._closed = False
-        self._keepalive: object = None
+        self._keepalive = None
+        self._lifetime = lifetime = new_lifetime(backend, current, self._handle)
+        self._id = StreamId(backend, current, self._handle, lifetime.generation, 0)
 
     @classmethod
     def wrap(cls, obj: object) -> Stream:
@@ -104,23 +161,50 @@ class Stream:
 
         Never destroys what it borrows. Does not block.
         """
-        handle = stream_handle_of(obj)
-        backend = obj._backend if isinstance(obj, Stream) else current_backend()
+        if isinstance(obj, Stream):
+            return obj._borrowed(obj)
+        return cls._borrow(stream_handle_of(obj), current_backend(), obj)
+
+    @classmethod
+    def _borrow(cls, handle: int, backend: Backend, keepalive: object) -> Stream:
         if not backend.is_stream(handle):
             raise ValueError(f"{handle:#x} is not a stream on the {backend.name!r} backend")
+        device = backend.current_device()
         self = cls.__new__(cls)
         self._backend = backend
         self._handle = handle
         self._owned = False
         self._closed = False
-        self._keepalive = obj
+        self._keepalive = keepalive
+        lifetime = None
+        if handle not in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM):
+            lifetime = lifetime_of(backend, device, handle)
+        self._lifetime = lifetime
+        generation = 0 if lifetime is None else lifetime.generation
+        thread = thread_serial() if handle == PER_THREAD_DEFAULT_STREAM else 0
+        self._id = StreamId(backend, device, handle, generation, thread)
         return self
+
+    def _borrowed(self, keepalive: object) -> Stream:
+        """A borrowed wrapper of this very stream (same identity)."""
+        other = Stream.__new__(Stream)
+        other._backend = self._backend
+        other._handle = self.handle  # a closed stream cannot be borrowed
+        other._owned = False
+        other._closed = False
+        other._keepalive = keepalive
+        other._lifetime = self._lifetime
+        other._id = self._id
+        return other
 
     @property
     def handle(self) -> int:
         """The handle as it goes into a CAI ``stream`` entry."""
         if self._closed:
             raise ValueError("this Stream is closed")
+        lifetime = self._lifetime
+        if lifetime is not None and lifetime.closed:
+            raise ValueError("the stream this Stream borrows was closed")
         return self._handle
 
     @property
@@ -129,8 +213,41 @@ class Stream:
         return self._backend
 
     @property
+    def device(self) -> int:
+        """The ordinal of the device this stream belongs to."""
+        return self._id.device
+
+    @property
     def closed(self) -> bool:
-        return self._closed
+        lifetime = self._lifetime
+        return self._closed or (lifetime is not None and lifetime.closed)
+
+    def _key(self) -> StreamId:
+        """The identity of the stream that work enqueued now by this thread goes to."""
+        key = self._id
+        if key.handle == PER_THREAD_DEFAULT_STREAM:
+            serial = thread_serial()
+            if serial != key.thread:
+                return StreamId(key.backend, key.device, key.handle, 0, serial)
+        return key
+
+    def _records_later(self) -> bool:
+        """Whether an event may be recorded on this stream later, from any
+        thread, to mark the end of work enqueued until then. True when the
+        library sees the stream's end (a stream it made: closing it records
+        first), when it never ends (the legacy stream), when this wrapper
+        keeps the object that owns it alive, and for the per-thread stream 2
+        (another thread records on the legacy stream, which waits for it).
+        A bare handle of another library's stream may be gone, or another
+        stream, by then: its events are recorded at the handoff.
+        """
+        handle = self._handle
+        if handle in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM):
+            return True
+        if self._lifetime is not None:
+            return True
+        keepalive = self._keepalive
+        return keepalive is not None and not isinstance(keepalive, int)
 
     def record(self) -> Event:
         """A new event capturing the work enqueued on this stream so far.
@@ -145,9 +262,9 @@ class Stream:
         """
         handle = self.handle  # a closed stream refuses, even if its handle was reused
         if isinstance(event_or_stream, Stream):
-            if event_or_stream == self:
-                return
             self._same_backend(event_or_stream._backend)
+            if event_or_stream._key() == self._key():
+                return
             event = event_or_stream.record()
             try:
                 self._backend.stream_wait_event(handle, event.handle)
@@ -171,14 +288,36 @@ class Stream:
     def close(self) -> None:
         """Destroy an owned stream (work already enqueued still completes).
 
-        Safe to call twice; a borrowed stream is only forgotten. Does not block.
+        Work a consumer enqueued on it after a handoff is recorded first, so
+        the producer's next write still waits for it. Safe to call twice; a
+        borrowed stream is only forgotten. Does not block.
         """
         if self._closed:
             return
-        self._closed = True
-        if self._owned:
-            self._backend.destroy_stream(self._handle)
-        self._keepalive = None
+        try:
+            if self._owned:
+                self._end_lifetime()
+        finally:
+            self._closed = True
+            self._keepalive = None
+            if self._owned:
+                self._backend.destroy_stream(self._handle)
+
+    def _end_lifetime(self) -> None:
+        lifetime = self._lifetime
+        if lifetime is None:
+            return
+        errors: list[BaseException] = []
+        try:
+            for listener in lifetime.closing():
+                try:
+                    listener.stream_closing()
+                except Exception as exc:  # record every other one first
+                    errors.append(exc)
+        finally:
+            lifetime.close()
+        if errors:
+            raise errors[0]
 
     def __cuda_stream__(self) -> tuple[int, int]:
         return (0, self.handle)
@@ -192,19 +331,20 @@ class Stream:
     def _same_backend(self, other: Backend) -> None:
         if other is not self._backend:
             raise ValueError(
-                f"{self!r} cannot be ordered with work on another backend ({other.name!r})"
+                f"{self!r} cannot be ordered with work on another backend "
+                f"({other.name!r} #{backend_serial(other)})"
             )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Stream):
             return NotImplemented
-        return self._backend is other._backend and self._handle == other._handle
+        return self._id == other._id
 
     def __hash__(self) -> int:
-        return hash((id(self._backend), self._handle))
+        return hash(self._id)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("owned" if self._owned else "borrowed")
+        state = "closed" if self.closed else ("owned" if self._owned else "borrowed")
         return f"<Stream {self._handle:#x} on {self._backend.name} ({state})>"
 
     def __del__(self) -> None:
@@ -213,9 +353,34 @@ class Stream:
             if sys.is_finalizing():  # the driver frees it with the context; its
                 return  # bindings may already be torn down
             try:
+                lifetime = self._lifetime
+                if lifetime is not None:
+                    lifetime.close()  # nothing listens: listeners hold the stream
                 self._backend.destroy_stream(self._handle)
             except Exception as exc:  # never raise from a destructor
                 warnings.warn(f"leaked stream {self._handle:#x}: {exc}", CudaWarning, stacklevel=1)
+
+
+def as_stream(stream: object, backend: Backend) -> Stream:
+    """``stream`` (a Stream or anything :meth:`Stream.wrap` takes) as a Stream of
+    ``backend``; ValueError when it belongs to another backend."""
+    if isinstance(stream, Stream):
+        s = stream
+    else:
+        s = Stream._borrow(stream_handle_of(stream), backend, stream)
+    if s.backend is not backend:
+        if s.backend.name != backend.name:
+            where = f"the {s.backend.name!r} backend"
+        else:
+            where = (
+                f"another {backend.name!r} backend instance (#{backend_serial(s.backend)}, "
+                f"not #{backend_serial(backend)})"
+            )
+        raise ValueError(
+            f"{s!r} belongs to {where}; the array is on the {backend.name!r} backend "
+            f"#{backend_serial(backend)}: make the stream while that backend is current"
+        )
+    return s
 
 
 class Event:
@@ -246,7 +411,8 @@ class Event:
         self._handle = backend.create_event()
         self._closed = False
         try:
-            self._mark = record(backend, self._handle, stream.handle)
+            stream.handle  # noqa: B018 - a closed stream refuses
+            self._mark = record(backend, self._handle, stream._key())
         except BaseException:
             self.close()
             raise
@@ -281,8 +447,6 @@ class Event:
         Polls (never blocks the loop); a cancellation point. ``timeout`` in
         seconds raises :class:`TimeoutError` when it runs out.
         """
-        from ._poller import wait_for_event
-
         await wait_for_event(
             self._backend, self.handle, mark=self._mark, timeout=timeout, keepalive=self
         )

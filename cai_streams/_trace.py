@@ -15,14 +15,15 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
 
 from . import _observe
-from ._backend import Backend
+from ._backend import Backend, current_backend
+from ._identity import StreamId, stream_id_now, thread_name
 from ._observe import Observer
 
 __all__ = ["Trace", "trace"]
@@ -44,10 +45,12 @@ class Trace(Observer):
     spans: list[Span] = field(default_factory=list)
     #: (track, "record" | "wait", time, flow id)
     marks: list[tuple[str, str, float, int]] = field(default_factory=list)
-    _last_record: dict[tuple[int, int], int] = field(default_factory=dict)
-    _labels: dict[int, str] = field(default_factory=dict)
+    _last_record: dict[tuple[Backend, int], int] = field(default_factory=dict)
+    _labels: dict[StreamId, str] = field(default_factory=dict)
     _flows: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: on a simulated stream's worker thread: the track of the kernel it runs
+    _worker: threading.local = field(default_factory=threading.local)
 
     # -- recording --------------------------------------------------------------
 
@@ -55,34 +58,59 @@ class Trace(Observer):
         return time.perf_counter() - self.t0
 
     def name_stream(self, stream: Any, label: str) -> None:
-        """Show ``stream`` (a Stream or a handle) as ``label`` on its track."""
-        handle = stream if isinstance(stream, int) else stream.handle
-        self._labels[handle] = f"{label} ({handle:#x})"
+        """Show ``stream`` (a Stream, or a handle on the current backend) as
+        ``label`` on its track."""
+        if isinstance(stream, int):
+            key = stream_id_now(current_backend(), stream)
+        else:
+            key = stream._key()
+        self._labels[key] = f"{label} ({key.handle:#x})"
 
-    def _track(self, stream: int) -> str:
-        label = self._labels.get(stream)
+    def _track(self, key: StreamId) -> str:
+        label = self._labels.get(key)
         if label is not None:
             return label
-        if stream == 1:
+        if key.handle == 1:
             return "stream 0x1 (legacy)"
-        if stream == 2:
-            return f"stream 0x2 ({threading.current_thread().name})"
-        return f"stream {stream:#x}"
+        if key.handle == 2:
+            return f"stream 0x2 ({thread_name(key.thread)})"
+        return f"stream {key.handle:#x}"
+
+    def kernel(
+        self, backend: Backend, stream: int, fn: Callable[[], object], name: str
+    ) -> Callable[[], object]:
+        # Enqueued now, by this thread: the track is this thread's view of the
+        # handle. The kernel hook runs later on the stream's worker thread,
+        # after fn, and finds it there.
+        track = self._track(stream_id_now(backend, stream))
+        worker = self._worker
+
+        def kernel() -> object:
+            worker.track = track
+            return fn()
+
+        return kernel
 
     def sim_kernel(self, stream: int, name: str, start: float, end: float) -> None:
         """A simulated kernel ran (its duration and jitter included)."""
-        self.spans.append(Span(self._track(stream), name, start - self.t0, end - self.t0))
+        track = getattr(self._worker, "track", None)
+        self._worker.track = None
+        if track is None:
+            track = self._track(stream_id_now(current_backend(), stream))
+        self.spans.append(Span(track, name, start - self.t0, end - self.t0))
 
     def recorded(self, backend: Backend, event: int, stream: int) -> None:
         with self._lock:
             self._flows += 1
-            self._last_record[(id(backend), event)] = self._flows
-            self.marks.append((self._track(stream), "record", self._now(), self._flows))
+            self._last_record[(backend, event)] = self._flows
+            track = self._track(stream_id_now(backend, stream))
+            self.marks.append((track, "record", self._now(), self._flows))
 
     def waited(self, backend: Backend, stream: int, event: int) -> None:
         with self._lock:
-            flow = self._last_record.get((id(backend), event), 0)
-            self.marks.append((self._track(stream), "wait", self._now(), flow))
+            flow = self._last_record.get((backend, event), 0)
+            track = self._track(stream_id_now(backend, stream))
+            self.marks.append((track, "wait", self._now(), flow))
 
     def host_span(self, name: str, start: float, end: float) -> None:
         """Add a host activity (``time.perf_counter()`` values) to the host track."""

@@ -7,6 +7,7 @@ consumer that did not wait sees the old values, deterministically.
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 
 import cai_streams as cs
 from cai_streams import sim
+from cai_streams._consume import Mode, _handoff
 
 from .device_ops import DeviceOps
 
@@ -565,8 +567,104 @@ def test_a_stream_of_another_backend_is_refused_everywhere() -> None:
             lambda: t.export(foreign),
         ]
         for call in calls:
-            with pytest.raises(ValueError, match=r"is on the 'sim' backend, not 'sim'"):
+            with pytest.raises(ValueError, match=r"another 'sim' backend instance"):
                 call()
     finally:
         foreign.close()
         other.close()
+
+
+# -- the mode table: one test per row ---------------------------------------------------
+
+
+class _Producer:
+    """An untracked producer naming ``stream`` (None: nothing pending)."""
+
+    def __init__(self, arr: Any, stream: int | None) -> None:
+        self.arr, self.stream = arr, stream
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return cs.read_interface(self.arr).with_stream(self.stream).__cuda_array_interface__
+
+
+def _still_running(s: cs.Stream) -> bool:
+    event = s.record()
+    time.sleep(0.05)  # long enough for work that did not wait to have run
+    return not event.is_done
+
+
+@pytest.mark.parametrize("row", list(Mode), ids=lambda m: m.name)
+async def test_each_row_of_the_mode_table(ops: DeviceOps, row: Mode) -> None:
+    """Each row: the row chosen, what is waited for (a held producer), what
+    the view names, and what leaving ``consuming()`` enqueues."""
+    p, c, w = cs.Stream(), cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(64, "float32"))
+    out = ops.array(np.full(64, -1.0, "float32"))
+    tracked = row.name.startswith("TRACKED")
+    stream = c if row.name.endswith("ENQUEUE") else None
+    sync = not row.name.endswith("OPT_OUT")
+    latch = ops.latch(p)
+    try:
+        if tracked:
+            obj: Any = cs.track(arr)
+            with obj.writing(p):
+                ops.fill(p, arr, 1.0)
+        elif row is Mode.READY:  # the producer's work is done: it names no stream
+            latch.release()
+            ops.fill(p, arr, 1.0)
+            p.synchronize()
+            obj = _Producer(arr, None)
+        else:
+            ops.fill(p, arr, 1.0)
+            obj = _Producer(arr, p.handle)
+        assert _handoff(obj, stream, sync, cs.current_backend()).mode is row
+        if row in (Mode.TRACKED_HOST, Mode.UNTRACKED_HOST):
+            got: list[cs.ArrayView] = []
+
+            async def host() -> None:
+                got.append(await cs.consume(obj, timeout=10))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(host)
+                await anyio.sleep(0.02)
+                assert not got, "a host consumer returned before the producer's work"
+                latch.release()
+            assert got[0].stream is None and (ops.to_host(arr) == 1).all()
+            return
+        async with cs.consuming(obj, stream=stream, sync=sync) as view:  # returns at once
+            expected = {
+                Mode.TRACKED_ENQUEUE: c.handle,
+                Mode.UNTRACKED_ENQUEUE: c.handle,
+                Mode.TRACKED_OPT_OUT: obj.export_stream.handle if tracked else None,
+                Mode.UNTRACKED_OPT_OUT: p.handle,
+                Mode.READY: None,
+            }[row]
+            assert view.stream == expected
+            if view.stream is not None:  # a consumer that follows the view
+                reader = cs.Stream.wrap(view.stream)
+                held = ops.latch(reader) if row.name.endswith("ENQUEUE") else None
+                with cs.sanitize(row is not Mode.UNTRACKED_OPT_OUT):  # reads p's own stream
+                    ops.copy(reader, out, view.with_stream(None))
+        latch.release()
+        if row.name.endswith("ENQUEUE"):  # leaving made the producer's side wait for c
+            assert held is not None
+            try:
+                if tracked:
+                    with obj.writing(w):
+                        ops.fill(w, arr, 2.0)
+                    assert _still_running(w)
+                else:
+                    ops.fill(p, arr, 2.0)
+                    assert _still_running(p)
+            finally:
+                held.release()
+            c.synchronize()
+            assert (ops.to_host(out) == 1).all()
+        elif view.stream is not None:
+            cs.Stream.wrap(view.stream).synchronize()
+            assert (ops.to_host(out) == 1).all()
+    finally:
+        latch.release()
+    for s in (p, c, w):
+        s.synchronize()

@@ -210,7 +210,7 @@ def valid_cai(draw: st.DrawFn) -> dict[str, Any]:
     typestr = draw(st.sampled_from(TYPESTRS))
     itemsize = np.dtype(typestr).itemsize
     size = int(np.prod(shape, dtype=np.int64))
-    ptr = draw(st.integers(1, 2**48)) if size else draw(st.sampled_from([0, PTR]))
+    ptr = draw(st.integers(2**16, 2**48)) if size else draw(st.sampled_from([0, PTR]))
     version = draw(st.integers(0, 3))
     entry: dict[str, Any] = {
         "shape": shape,
@@ -298,3 +298,20 @@ def test_valid_through_consume(
             assert view == reference.with_stream(None)
         s = cs.Stream()
         assert cs.consume_blocking(producer, stream=s) == reference.with_stream(s.handle)
+
+
+@pytest.mark.parametrize(("label", "entry", "expected"), VALID, ids=[v[0] for v in VALID])
+def test_stream_of_reads_the_stream_as_parse_does(
+    label: str, entry: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    from cai_streams._interface import stream_of
+
+    assert stream_of(Exports(entry)) == parse(Exports(entry)).stream
+
+
+@pytest.mark.parametrize("stream", [0, -2, 1 << 64, 1.5, "2", True])
+def test_stream_of_refuses_what_parse_refuses(stream: object) -> None:
+    from cai_streams._interface import stream_of
+
+    with pytest.raises(cs.InterfaceError, match="stream"):
+        stream_of(Exports(cai(stream=stream)))

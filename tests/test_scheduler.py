@@ -297,6 +297,8 @@ def test_nothing_is_left_behind_when_references_go() -> None:
 
 
 def test_tracked_array_keeps_its_stream_and_array_alive() -> None:
+    """The TrackedArray holds its array, the array's state holds the export
+    stream; once the array is gone, the next library call lets go of both."""
     import weakref
 
     data = sim.empty(4)
@@ -308,22 +310,131 @@ def test_tracked_array_keeps_its_stream_and_array_alive() -> None:
     assert all(r() is not None for r in refs)
     del t
     gc.collect()
+    cs.stats()  # any scheduler call releases the state of collected arrays
+    gc.collect()
     assert all(r() is None for r in refs)
 
 
-def test_writing_rejects_streams_of_another_backend() -> None:
+def test_writing_rejects_what_is_not_a_stream() -> None:
     t = cs.track(sim.empty(4))
-    with pytest.raises((TypeError, ValueError)):
+    with pytest.raises(TypeError, match="cannot use str as a stream"):
         with t.writing("nope"):
             pass
 
 
-def test_nested_blocks_on_one_array_in_one_thread_are_refused() -> None:
-    t = cs.track(sim.empty(4))
+@pytest.mark.parametrize("nested", [True, False])
+def test_a_block_nested_in_its_own_thread_sees_the_outer_blocks_work(nested: bool) -> None:
+    """Inside its own writing() block, a thread's reading() (or export) counts
+    what the outer block enqueued so far; the control reads without the
+    nested block and sees the old value."""
+    ops = SimOps()
+    a, b = cs.Stream(), cs.Stream()
+    t = cs.track(sim.asarray(np.zeros(8)))
+    out = sim.asarray(np.full(8, -1.0))
+    latch = ops.latch(a)
+    try:
+        with t.writing(a):
+            ops.fill(a, t.array, 5.0)
+            if nested:
+                with t.reading(b):
+                    ops.copy(b, out, t.array)
+            else:
+                with cs.sanitize(False):  # racy on purpose
+                    ops.copy(b, out, t.array)
+                b.synchronize()
+    finally:
+        latch.release()
+    b.synchronize()
+    np.testing.assert_array_equal(out.to_host(stream=b), 5.0 if nested else 0.0)
+
+
+class _NoWeakref:
+    """A CAI object that cannot be weakly referenced (``__slots__`` without
+    ``__weakref__``): its state holds it until its work is done."""
+
+    __slots__ = ("arr",)
+
+    def __init__(self, arr: Any) -> None:
+        self.arr = arr
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return cs.read_interface(self.arr).__cuda_array_interface__
+
+
+@pytest.mark.parametrize("weakrefable", [True, False])
+def test_the_state_of_a_buffer_outlives_its_wrapper_until_its_work_is_done(
+    weakrefable: bool,
+) -> None:
+    import weakref
+
+    ops = SimOps()
     s = cs.Stream()
-    with t.writing(s):
-        with pytest.raises(RuntimeError, match="inside another writing"):
-            with t.reading(s):
-                pass
-    with t.reading(s):  # the array is usable again afterwards
-        pass
+    arr = sim.asarray(np.zeros(8))
+    obj: Any = arr if weakrefable else _NoWeakref(arr)
+    base = cs.stats()["tracked"]
+    latch = ops.latch(s)
+    try:
+        with cs.track(obj).writing(s):
+            ops.fill(s, arr, 4.0)
+        gc.collect()
+        assert cs.stats()["tracked"] == base + 1  # the wrapper is gone, the state is not
+        assert cs.track(obj).pending_streams()["writes"] == [s.handle]
+    finally:
+        latch.release()
+    s.synchronize()
+    view = cs.consume_blocking(obj, timeout=10)
+    assert (SimOps().to_host(view) == 4).all()
+    ref = weakref.ref(arr)
+    del obj, view, arr
+    gc.collect()
+    assert cs.stats()["tracked"] == base  # done and unreferenced: let go
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_array_tracked_again_may_name_another_export_stream_once_unwrapped() -> None:
+    a, b = cs.Stream(), cs.Stream()
+    data = sim.empty(4)
+    t = cs.track(data, stream=a)
+    with pytest.raises(ValueError, match="already tracked"):
+        cs.track(data, stream=b)
+    del t
+    gc.collect()
+    assert cs.track(data, stream=b).export_stream == b
+
+
+def test_streams_carry_their_device_and_identity() -> None:
+    s = cs.Stream()
+    assert s.device == cs.current_backend().current_device()
+    assert cs.Stream(device=s.device).device == s.device
+    with pytest.raises(ValueError, match="current device"):
+        cs.Stream(device=s.device + 1)
+    with pytest.raises(TypeError):
+        cs.Stream(device="0")  # type: ignore[arg-type]
+    assert cs.Stream.wrap(s) == s and cs.Stream.wrap(s.handle) == s
+    assert cs.Stream.wrap(1) == cs.Stream.wrap(1) and cs.Stream.wrap(1) != s
+    s.close()
+    with pytest.raises(ValueError, match="closed"):
+        cs.Stream.wrap(s)
+
+
+def test_a_buffer_read_on_ever_new_streams_holds_neither_them_nor_events() -> None:
+    """Never written again, consumed on a new stream each time and the stream
+    dropped: the buffer keeps at most a bounded number of reads open."""
+    import weakref
+
+    from cai_streams._pending import MAX_OPEN_READS
+
+    t = cs.track(sim.asarray(np.ones(8)))
+    gone: list[weakref.ref[cs.Stream]] = []
+    for _ in range(3 * MAX_OPEN_READS):
+        s = cs.Stream()
+        cs.consume_blocking(t, stream=s)
+        gone.append(weakref.ref(s))
+        s.synchronize()
+        del s
+    gc.collect()
+    alive = sum(r() is not None for r in gone)
+    assert alive <= MAX_OPEN_READS + 1, alive
+    assert len(t.pending_streams()["reads"]) <= MAX_OPEN_READS + 1

@@ -1,0 +1,200 @@
+"""One access: the pending work of one stream on one buffer, in explicit states.
+
+An :class:`Access` is a read or a write, in one of three states:
+
+* ``LAZY``: a consumer's read whose end is not known yet (work it will enqueue
+  after the handoff). No event yet; one is recorded when something must wait
+  for it: the next conflicting access, or the consumer's stream closing. Only
+  streams whose life the library sees are lazy (see ``Stream._records_later``);
+  on any other an access is recorded at the handoff.
+* ``RECORDED``: an event marks its end. Waiters on the host pin the event.
+* ``RELEASED``: forgotten. Its event returns to the pool once the last pin
+  is gone, never before, so a waiter never reads an event reused elsewhere.
+
+Transitions go only forward (``LAZY -> RECORDED -> RELEASED`` or ``LAZY ->
+RELEASED``); a transition from the wrong state raises, and releasing twice is
+a no-op.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
+from ._events import EventPool, Mark, record
+from ._identity import StreamId, thread_serial
+from ._stream import Stream
+
+__all__ = ["Access", "AccessState", "Counters", "Kind"]
+
+
+class Kind(enum.Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+class AccessState(enum.Enum):
+    LAZY = "lazy"
+    RECORDED = "recorded"
+    RELEASED = "released"
+
+
+class Counters:
+    """Process-wide scheduler counters (read through ``cs.stats()``)."""
+
+    __slots__ = ("_lock", "elided", "exports", "joins", "pinned", "waits")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.joins = self.waits = self.elided = self.exports = self.pinned = 0
+
+    def add(
+        self, *, joins: int = 0, waits: int = 0, elided: int = 0, exports: int = 0, pinned: int = 0
+    ) -> None:
+        with self._lock:
+            self.joins += joins
+            self.waits += waits
+            self.elided += elided
+            self.exports += exports
+            self.pinned += pinned
+
+
+class Buffer(Protocol):
+    """What an access needs of the buffer state that holds it (``PendingWork``)."""
+
+    backend: Backend
+    pool: EventPool
+    counters: Counters
+    group: int
+
+    def _locked(self) -> AbstractContextManager[None]: ...
+
+
+class Access:
+    """The work of one stream on one buffer (see the module docstring).
+
+    Every method is called with the owning :class:`PendingWork`'s lock held,
+    except :meth:`stream_closing`, which takes it.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "disjoint",
+        "event",
+        "group",
+        "key",
+        "kind",
+        "mark",
+        "pins",
+        "state",
+        "stream",
+        "waited_by",
+        "work",
+    )
+
+    def __init__(
+        self, work: Buffer, kind: Kind, stream: Stream, key: StreamId, disjoint: bool
+    ) -> None:
+        self.work = work
+        self.kind = kind
+        self.stream = stream  # kept alive: a lazy access records on it, an event's keepalive
+        self.key = key
+        self.disjoint = disjoint
+        self.group = work.group  # disjoint writes of one group are not ordered among them
+        self.state = AccessState.LAZY
+        self.event = 0
+        self.mark: Mark | None = None
+        self.pins = 0
+        self.waited_by: set[StreamId] = set()
+
+    @classmethod
+    def recorded(
+        cls, work: Buffer, kind: Kind, stream: Stream, key: StreamId, disjoint: bool = False
+    ) -> Access:
+        """The work enqueued on ``stream`` so far (an event recorded now)."""
+        access = cls(work, kind, stream, key, disjoint)
+        access._record()
+        return access
+
+    @classmethod
+    def lazy(cls, work: Buffer, stream: Stream, key: StreamId) -> Access:
+        """A consumer's read on ``stream``: recorded when something must wait for
+        it, if the stream allows that; else recorded now."""
+        access = cls(work, Kind.READ, stream, key, False)
+        lifetime = stream._lifetime
+        if not stream._records_later() or (lifetime is not None and not lifetime.listen(access)):
+            access._record()
+        return access
+
+    def _record(self, on: StreamId | None = None) -> None:
+        self.stream.handle  # noqa: B018 - a closed stream refuses
+        pool = self.work.pool
+        event = pool.acquire()
+        try:
+            self.mark = record(self.work.backend, event, self.key if on is None else on)
+        except BaseException:
+            pool.release(event)
+            raise
+        self.event = event
+        self.state = AccessState.RECORDED
+
+    def materialize(self) -> None:
+        """LAZY -> RECORDED: the consumer's work enqueued so far is what it covers."""
+        if self.state is not AccessState.LAZY:
+            raise RuntimeError(f"materialize() of a {self.state.value} access")
+        self._forget_lifetime()
+        key = self.key
+        if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
+            # Another thread's per-thread stream cannot be named from here, but
+            # it is a blocking stream: work on the legacy stream waits for all
+            # work enqueued on it so far. An event there covers the read.
+            self._record(StreamId(key.backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0))
+        else:
+            self._record()
+
+    def is_complete(self) -> bool:
+        """Whether a recorded access's work is done (raises if it failed)."""
+        return self.state is AccessState.RECORDED and self.work.backend.query(self.event)
+
+    def pin(self) -> None:
+        if self.state is not AccessState.RECORDED:
+            raise RuntimeError(f"pin() of a {self.state.value} access")
+        self.pins += 1
+        self.work.counters.add(pinned=1)
+
+    def unpin(self) -> None:
+        self.pins -= 1
+        self.work.counters.add(pinned=-1)
+        if self.pins == 0 and self.state is AccessState.RELEASED:
+            self._give_back()
+
+    def release(self) -> None:
+        """-> RELEASED. Safe twice. A pinned event goes back at the last unpin."""
+        state = self.state
+        self.state = AccessState.RELEASED
+        if state is AccessState.LAZY:
+            self._forget_lifetime()
+        elif state is AccessState.RECORDED and self.pins == 0:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        event, self.event = self.event, 0
+        if event:
+            self.work.pool.release(event, self.stream)
+
+    def _forget_lifetime(self) -> None:
+        lifetime = self.stream._lifetime
+        if lifetime is not None:
+            lifetime.forget(self)
+
+    def stream_closing(self) -> None:
+        """The consumer's stream is closing: record its work now, while it exists."""
+        with self.work._locked():
+            if self.state is AccessState.LAZY:
+                self.materialize()
+
+    def __repr__(self) -> str:
+        return f"<{self.state.value} {self.kind.value} on {self.key.describe()}>"

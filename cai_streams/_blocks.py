@@ -1,0 +1,115 @@
+"""``writing()`` and ``reading()`` blocks open on a buffer, and who holds them.
+
+A block's work is enqueued while its body runs, so until it ends nothing can
+wait for it on a stream. An access by another owner (thread, or task) that
+conflicts with an open block waits for the block to end: blocking, bounded,
+in synchronous code; yielding to the event loop in a coroutine. The block's
+own owner instead sees what it enqueued so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import NamedTuple
+
+import anyio
+import sniffio
+
+from ._access import Access, Kind
+from ._identity import StreamId
+from ._poller import poll_policy
+from ._stream import Stream
+
+__all__ = ["Blocked", "OpenBlock", "Owner", "current_owner", "wait_block_async", "wait_block_sync"]
+
+#: who holds a block: (thread ident, task id or None outside async code)
+Owner = tuple[int, "int | None"]
+
+
+def current_owner() -> Owner:
+    """This thread, and the task running in it if any. Cheap outside async code
+    (no exception raised and caught, as ``sniffio.current_async_library`` does)."""
+    ident = threading.get_ident()
+    if (
+        sniffio.thread_local.name is None
+        and sniffio.current_async_library_cvar.get() is None
+        and asyncio._get_running_loop() is None
+    ):
+        return (ident, None)
+    return (ident, anyio.get_current_task().id)
+
+
+class OpenBlock:
+    """A ``writing()`` or ``reading()`` block whose body is running.
+
+    Its work is not enqueued yet, so nothing can wait for it on a stream: an
+    access by another owner that conflicts with it waits (on the host, or
+    awaiting) until ``done`` is set; the block's own owner sees the work
+    enqueued so far (an event recorded on its stream now).
+    """
+
+    __slots__ = ("covered", "disjoint", "done", "group", "key", "kind", "owner", "stream")
+
+    def __init__(
+        self,
+        kind: Kind,
+        disjoint: bool,
+        stream: Stream,
+        key: StreamId,
+        owner: Owner,
+        covered: list[Access],
+        group: int,
+    ) -> None:
+        self.kind = kind
+        self.disjoint = disjoint
+        self.group = group
+        self.stream = stream
+        self.key = key
+        self.owner = owner
+        self.covered = covered  # what the block's write replaces at exit
+        self.done = threading.Event()
+
+    def conflicts(self, kind: Kind, disjoint: bool) -> bool:
+        if self.kind is Kind.READ:
+            return kind is Kind.WRITE
+        return kind is Kind.READ or not (self.disjoint and disjoint)
+
+
+class Blocked(NamedTuple):
+    """Another owner's open block must end first."""
+
+    block: OpenBlock
+
+
+def wait_block_sync(block: OpenBlock, me: Owner, deadline: float, what: str) -> None:
+    """Block the calling thread until ``block`` ends (at most until ``deadline``,
+    ``time.monotonic()`` seconds)."""
+    if block.owner[0] == me[0]:
+        raise RuntimeError(
+            f"{what} of an array while another task of this thread holds a "
+            "writing()/reading() block of it across an await: waiting here would never "
+            "end. Close the block before awaiting, or use `await cs.consume()`"
+        )
+    left = deadline - time.monotonic()
+    if left <= 0 or not block.done.wait(left):
+        raise TimeoutError(
+            f"{what}: another thread's writing()/reading() block of this array did not end in time"
+        )
+
+
+async def wait_block_async(block: OpenBlock, deadline: float | None) -> None:
+    """Wait until ``block`` ends, yielding to the event loop (never holding a
+    thread lock); TimeoutError at ``deadline`` (``anyio.current_time()``)."""
+    delays = iter(poll_policy().delays())
+    while not block.done.is_set():
+        delay = next(delays)
+        if deadline is not None:
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                raise TimeoutError(
+                    "another thread's writing() block of this array did not end in time"
+                )
+            delay = min(delay, left)
+        await anyio.sleep(delay)

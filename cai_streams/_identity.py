@@ -1,0 +1,225 @@
+"""One stream identity: the key of every piece of per-stream state.
+
+A bare handle does not name a stream. CUDA hands a destroyed stream's handle to
+the next stream created, handle 2 (the per-thread default stream) is a
+different stream in each host thread, and a handle means nothing without its
+backend and device. :class:`StreamId` carries all of it, and the scheduler, the
+event marks, the poller's queues, the sanitizer and the tracer all key their
+state by it:
+
+* ``backend``: the backend object (compared by identity);
+* ``device``: the device ordinal, from the backend's ``current_device()``;
+* ``handle``: the integer that goes in a CAI ``stream`` entry;
+* ``generation``: which stream of that handle. A stream made by
+  :class:`~cai_streams.Stream` gets a fresh generation and gives it up when it
+  is closed, so a later stream with the same handle is another stream; a handle
+  this library never made has generation 0;
+* ``thread``: for handle 2, the host thread (a serial number, never reused as
+  thread idents are); 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Protocol
+
+from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
+
+__all__ = [
+    "LEGACY_DEFAULT_STREAM",
+    "PER_THREAD_DEFAULT_STREAM",
+    "Lifetime",
+    "StreamId",
+    "backend_serial",
+    "stream_id_now",
+    "thread_name",
+    "thread_serial",
+]
+
+
+class StreamId:
+    """The identity of one stream (see the module docstring). Immutable, hashable."""
+
+    __slots__ = ("_hash", "backend", "device", "generation", "handle", "thread")
+
+    backend: Backend
+    device: int
+    handle: int
+    generation: int
+    thread: int
+    _hash: int
+
+    def __init__(
+        self, backend: Backend, device: int, handle: int, generation: int, thread: int
+    ) -> None:
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "handle", handle)
+        object.__setattr__(self, "generation", generation)
+        object.__setattr__(self, "thread", thread)
+        object.__setattr__(self, "_hash", hash((id(backend), device, handle, generation, thread)))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("StreamId is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StreamId):
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.backend is other.backend
+            and self.handle == other.handle
+            and self.device == other.device
+            and self.generation == other.generation
+            and self.thread == other.thread
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def describe(self) -> str:
+        """How messages and traces name this stream."""
+        if self.handle == LEGACY_DEFAULT_STREAM:
+            return "stream 0x1 (legacy default)"
+        if self.handle == PER_THREAD_DEFAULT_STREAM:
+            return f"stream 0x2 (per-thread default of thread {thread_name(self.thread)})"
+        return f"stream {self.handle:#x}"
+
+    def __repr__(self) -> str:
+        return (
+            f"StreamId({self.backend.name}#{backend_serial(self.backend)}, device {self.device}, "
+            f"{self.handle:#x}, generation {self.generation}, thread {self.thread})"
+        )
+
+
+# -- host threads ---------------------------------------------------------------
+
+_local = threading.local()
+_serials = itertools.count(1)
+_names: dict[int, str] = {}
+
+
+def thread_serial() -> int:
+    """This host thread's serial number (unlike ``threading.get_ident()``, never
+    given to another thread after this one ends)."""
+    serial: int | None = getattr(_local, "serial", None)
+    if serial is None:
+        serial = _local.serial = next(_serials)
+        if len(_names) > 4096:  # names are only for messages: keep the newest
+            for old in list(_names)[:1024]:
+                _names.pop(old, None)
+        _names[serial] = threading.current_thread().name
+    return serial
+
+
+def thread_name(serial: int) -> str:
+    return _names.get(serial, f"#{serial}")
+
+
+# -- backends -------------------------------------------------------------------
+
+_backend_serials: weakref.WeakKeyDictionary[Backend, int] = weakref.WeakKeyDictionary()
+_backend_counter = itertools.count(1)
+_lock = threading.Lock()
+
+
+def backend_serial(backend: Backend) -> int:
+    """A number that tells backend instances apart in messages."""
+    found = _backend_serials.get(backend)
+    if found is None:
+        with _lock:
+            found = _backend_serials.get(backend)
+            if found is None:
+                found = _backend_serials[backend] = next(_backend_counter)
+    return found
+
+
+# -- owned streams: generations and what must happen before they close ------------
+
+
+class ClosingListener(Protocol):
+    def stream_closing(self) -> None:
+        """The stream is about to be destroyed: record what must be recorded on it now."""
+
+
+_generations = itertools.count(1)
+
+
+class Lifetime:
+    """One stream made by this library, from its creation to its close.
+
+    Work that is still to be recorded on the stream (a consumer's read whose
+    end is not known yet) registers here, and is recorded just before the
+    stream is destroyed, so closing a consumer's stream never loses it.
+    """
+
+    __slots__ = ("_closing", "_listeners", "_lock", "closed", "generation", "key")
+
+    def __init__(self, key: tuple[int, int, int]) -> None:
+        self.key = key
+        self.generation = next(_generations)
+        self.closed = False
+        self._closing = False
+        self._lock = threading.Lock()
+        self._listeners: set[ClosingListener] = set()
+
+    def listen(self, listener: ClosingListener) -> bool:
+        """Call ``listener`` before the stream closes; False if it already has."""
+        with self._lock:
+            if self._closing:
+                return False
+            self._listeners.add(listener)
+            return True
+
+    def forget(self, listener: ClosingListener) -> None:
+        with self._lock:
+            self._listeners.discard(listener)
+
+    def closing(self) -> Iterable[ClosingListener]:
+        """The stream is about to close: no new listener; hand over the ones
+        there are (each called once, while the stream still exists)."""
+        with self._lock:
+            self._closing = True
+            listeners, self._listeners = self._listeners, set()
+        return listeners
+
+    def close(self) -> None:
+        """The stream is closed: its handle no longer names it."""
+        self._closing = True
+        self.closed = True
+        with _lock:
+            if _owned.get(self.key) is self:
+                del _owned[self.key]
+
+
+_owned: dict[tuple[int, int, int], Lifetime] = {}
+
+
+def new_lifetime(backend: Backend, device: int, handle: int) -> Lifetime:
+    """A stream was just created with ``handle``: it is a new stream, whatever
+    stream had that handle before."""
+    key = (backend_serial(backend), device, handle)
+    lifetime = Lifetime(key)
+    with _lock:
+        _owned[key] = lifetime
+    return lifetime
+
+
+def lifetime_of(backend: Backend, device: int, handle: int) -> Lifetime | None:
+    """The open stream this library made with ``handle``, if there is one."""
+    return _owned.get((backend_serial(backend), device, handle))
+
+
+def stream_id_now(backend: Backend, handle: int, device: int | None = None) -> StreamId:
+    """The identity ``handle`` has for work the calling thread enqueues now."""
+    if device is None:
+        device = backend.current_device()
+    if handle == PER_THREAD_DEFAULT_STREAM:
+        return StreamId(backend, device, handle, 0, thread_serial())
+    if handle == LEGACY_DEFAULT_STREAM:
+        return StreamId(backend, device, handle, 0, 0)
+    lifetime = _owned.get((backend_serial(backend), device, handle))
+    return StreamId(backend, device, handle, 0 if lifetime is None else lifetime.generation, 0)

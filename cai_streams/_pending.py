@@ -1,0 +1,414 @@
+"""The pending work of one buffer: its accesses and the blocks open on it.
+
+:class:`PendingWork` is a buffer's state: its pending writes and reads
+(:class:`~cai_streams._access.Access`) and the ``writing()``/``reading()``
+blocks open on it. It belongs to the buffer, not to a
+:class:`~cai_streams.TrackedArray`, so dropping the wrapper forgets nothing;
+the scheduler holds it while the buffer lives. The ordering rules live here:
+
+* a write waits for every pending read and write on other streams, except
+  that disjoint writes of one round (since the last read or whole write) do
+  not wait for each other;
+* a read waits for every pending write on other streams;
+* every handoff (export, consume onto a stream) adds a consumer read and
+  replaces nothing; a host consumer waits for the pending writes.
+
+One lock guards it. It is held for bookkeeping and enqueueing only: never
+across a block's body, never while waiting, and never while calling user code
+(the buffer's own interface is read before it is taken).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from . import _sanitizer
+from ._access import Access, AccessState, Counters, Kind
+from ._backend import Backend
+from ._blocks import Blocked, OpenBlock, Owner
+from ._config import settings
+from ._events import EventPool
+from ._identity import StreamId
+from ._interface import ArrayView, byte_range, stream_of
+from ._stream import Stream
+
+__all__ = ["MAX_OPEN_READS", "PendingWork"]
+
+#: consumer reads of one buffer held open (lazy) at once; see ``_consumer_read``
+MAX_OPEN_READS = 32
+
+
+class _Locked:
+    """``with work._locked():`` (a class: cheaper than a generator context)."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: PendingWork) -> None:
+        self._work = work
+
+    def __enter__(self) -> None:
+        self._work.lock.acquire()
+        if _sanitizer.active:
+            _sanitizer.acquired(self._work)
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            if _sanitizer.active:
+                _sanitizer.released(self._work)
+        finally:
+            self._work.lock.release()
+
+
+class PendingWork:
+    """The pending writes and reads of one buffer (see the module docstring)."""
+
+    __slots__ = (
+        "__weakref__",
+        "_obj",
+        "_ref",
+        "backend",
+        "blocks",
+        "counters",
+        "export_stream",
+        "group",
+        "key",
+        "layout",
+        "lock",
+        "pool",
+        "reads",
+        "wrapper",
+        "writes",
+    )
+
+    def __init__(
+        self,
+        obj: object,
+        layout: ArrayView,
+        export_stream: Stream,
+        backend: Backend,
+        pool: EventPool,
+        counters: Counters,
+        on_collected: Callable[[PendingWork], None],
+    ) -> None:
+        me = weakref.ref(self)
+
+        def collected(_: object) -> None:
+            work = me()
+            if work is not None:
+                on_collected(work)
+
+        self._ref: weakref.ref[Any] | None
+        try:  # state must not keep the buffer alive: it ends with the buffer
+            self._ref = weakref.ref(obj, collected)
+            self._obj: object = None
+        except TypeError:  # not weakly referenceable: held until settled
+            self._ref = None
+            self._obj = obj
+        self.key = id(obj)  # in the registry; a later object with this id replaces the entry
+        self.layout = layout  # the view without an owner
+        self.export_stream = export_stream
+        self.backend = backend
+        self.pool = pool
+        self.counters = counters
+        self.lock = threading.Lock()
+        self.writes: list[Access] = []
+        self.reads: list[Access] = []
+        self.blocks: list[OpenBlock] = []
+        self.wrapper: weakref.ref[Any] | None = None
+        #: disjoint writes since the last read or whole-array write: a group.
+        #: They are not ordered among them (each writes its own part); every
+        #: other write, and every disjoint write of an earlier group, is.
+        self.group = 0
+
+    def _locked(self) -> _Locked:
+        """The lock, seen by the sanitizer as the ordering between threads it is."""
+        return _Locked(self)
+
+    def obj(self) -> object:
+        """The buffer, or None once it was collected."""
+        ref = self._ref
+        return self._obj if ref is None else ref()
+
+    @property
+    def held_strongly(self) -> bool:
+        return self._ref is None
+
+    # -- bookkeeping (lock held) -----------------------------------------------
+
+    def _add(self, new: Access) -> None:
+        """Add ``new``; the access of the same kind on the same stream that it
+        covers in stream order is released (a lazy read covers a recorded one)."""
+        if new.kind is Kind.READ or not new.disjoint:
+            self.group += 1
+        accesses = self.writes if new.kind is Kind.WRITE else self.reads
+        for i, old in enumerate(accesses):
+            if old.key != new.key or old.disjoint != new.disjoint:
+                continue
+            if old.state is AccessState.LAZY and new.state is not AccessState.LAZY:
+                new.release()
+                return
+            accesses[i] = new
+            old.release()
+            return
+        accesses.append(new)
+
+    def _drop(self, access: Access) -> None:
+        accesses = self.writes if access.kind is Kind.WRITE else self.reads
+        for i, a in enumerate(accesses):
+            if a is access:
+                del accesses[i]
+                break
+        access.release()
+
+    def _drop_complete(self, accesses: list[Access]) -> None:
+        for a in list(accesses):
+            if a.is_complete():
+                self._drop(a)
+
+    def blocker(self, kind: Kind, disjoint: bool, me: Owner) -> Blocked | None:
+        for block in self.blocks:
+            if block.owner != me and block.conflicts(kind, disjoint):
+                return Blocked(block)
+        return None
+
+    def _see_own_blocks(self, kind: Kind, disjoint: bool, me: Owner) -> None:
+        """The caller's own open blocks count with what they enqueued so far."""
+        for block in self.blocks:
+            if block.owner == me and block.conflicts(kind, disjoint):
+                snapshot = Access.recorded(
+                    self, block.kind, block.stream, block.key, block.disjoint
+                )
+                snapshot.group = block.group
+                self._add(snapshot)
+
+    def own_stream(self) -> Stream | None:
+        """The stream the buffer's own interface names as pending now, if any
+        and unless the backend says it is idle. Reads the interface (user
+        code): called without the lock."""
+        if not settings.sync:
+            return None
+        obj = self.obj()
+        if obj is None:
+            return None
+        handle = stream_of(obj)
+        if handle is None:
+            return None
+        query_stream = getattr(self.backend, "query_stream", None)
+        if query_stream is not None and query_stream(handle):
+            return None
+        return Stream._borrow(handle, self.backend, None)
+
+    def _note(self, own: Stream | None) -> None:
+        """Work the buffer's own interface reported pending, recorded now (a
+        bare handle may be gone, or another thread's, by a later record)."""
+        if own is not None and not own.closed:
+            self._add(Access.recorded(self, Kind.WRITE, own, own._key()))
+
+    def order_after(
+        self, stream: Stream, key: StreamId, accesses: list[Access], *, join: bool
+    ) -> None:
+        """Make ``stream`` wait for each access on another stream; completed
+        ones are dropped instead. Only enqueues."""
+        handle = stream.handle
+        waited = elided = 0
+        for a in accesses:
+            if a.state is AccessState.RELEASED or a.key == key or key in a.waited_by:
+                continue
+            if a.state is AccessState.LAZY:
+                a.materialize()
+            elif a.is_complete():
+                elided += 1
+                self._drop(a)
+                continue
+            self.backend.stream_wait_event(handle, a.event)
+            a.waited_by.add(key)
+            waited += 1
+        if waited or elided:
+            if join:
+                self.counters.add(joins=waited, elided=elided)
+            else:
+                self.counters.add(waits=waited, elided=elided)
+
+    def _consumer_read(self, stream: Stream, key: StreamId) -> None:
+        """What ``stream`` enqueues from now on reads the buffer. Reads found
+        complete are forgotten; beyond :data:`MAX_OPEN_READS` consumer reads
+        still open, the oldest is recorded now (so a buffer read on ever-new
+        streams, and never written, holds neither them nor events)."""
+        self._drop_complete(self.reads)
+        for a in self.reads:
+            if a.key == key and a.state is AccessState.LAZY:
+                return  # already open: it covers this consumer's work as well
+        self._add(Access.lazy(self, stream, key))
+        open_reads = [a for a in self.reads if a.state is AccessState.LAZY]
+        if len(open_reads) > MAX_OPEN_READS:
+            open_reads[0].materialize()
+
+    def _declare_stream_read(self, stream: Stream, what: str) -> None:
+        if _sanitizer.active:
+            _sanitizer.stream_access(
+                self.backend, stream.handle, reads=[byte_range(self.layout)], writes=(), what=what
+            )
+
+    # -- writing() / reading() blocks -----------------------------------------
+
+    def try_enter(
+        self, kind: Kind, disjoint: bool, stream: Stream, me: Owner
+    ) -> OpenBlock | Blocked:
+        """Open a block on ``stream``: order it after the conflicting accesses."""
+        own = self.own_stream()
+        with self._locked():
+            blocked = self.blocker(kind, disjoint, me)
+            if blocked is not None:
+                return blocked
+            key = stream._key()
+            self._note(own)
+            self._see_own_blocks(kind, disjoint, me)
+            group = self.group
+            if kind is Kind.WRITE:
+                conflicting = [
+                    *self.reads,
+                    *(w for w in self.writes if not (disjoint and w.disjoint and w.group == group)),
+                ]
+            else:
+                conflicting = list(self.writes)
+            self.order_after(stream, key, conflicting, join=False)
+            covered: list[Access] = []
+            if kind is Kind.WRITE and not disjoint:
+                covered = [a for a in conflicting if a.state is not AccessState.RELEASED]
+            if _sanitizer.active and not disjoint:  # a disjoint block does not say which part
+                rng = [byte_range(self.layout)]
+                _sanitizer.stream_access(
+                    self.backend,
+                    stream.handle,
+                    reads=rng if kind is Kind.READ else (),
+                    writes=rng if kind is Kind.WRITE else (),
+                    what=f"{'writing' if kind is Kind.WRITE else 'reading'}() block",
+                )
+            block = OpenBlock(kind, disjoint, stream, key, me, covered, group)
+            self.blocks.append(block)
+            return block
+
+    def leave(self, block: OpenBlock) -> None:
+        """The block's body ended: its work is pending on its stream."""
+        with self._locked():
+            try:
+                new = Access.recorded(self, block.kind, block.stream, block.key, block.disjoint)
+                new.group = block.group
+                for a in block.covered:
+                    if a.state is not AccessState.RELEASED:
+                        self._drop(a)
+                self._add(new)
+            finally:
+                self.blocks.remove(block)
+                block.done.set()
+
+    # -- handoffs -------------------------------------------------------------
+
+    def try_export(self, x: Stream, me: Owner) -> Blocked | int | None:
+        """Join the pending writes onto ``x`` and add the consumer's read on it.
+
+        Returns the handle to export: ``x``'s, or None when no write is
+        pending (the data is ready now, on any stream). The read on ``x`` is
+        added either way: a consumer that was given ``x`` is protected even
+        then. Only enqueues.
+        """
+        own = self.own_stream()
+        with self._locked():
+            blocked = self.blocker(Kind.READ, False, me)
+            if blocked is not None:
+                return blocked
+            key = x._key()
+            self._note(own)
+            self._see_own_blocks(Kind.READ, False, me)
+            self.counters.add(exports=1)
+            self.order_after(x, key, list(self.writes), join=True)
+            pending = any(a.key != key for a in self.writes) or any(
+                a.key == key and not a.is_complete() for a in self.writes
+            )
+            self._consumer_read(x, key)
+            if not pending:
+                if _sanitizer.active:  # stream None says "ready now, anywhere"
+                    _sanitizer.host_access(
+                        "read",
+                        [byte_range(self.layout)],
+                        "export() with nothing pending: stream None",
+                    )
+                return None
+            self._declare_stream_read(x, "export(): the consumer's read")
+            return x.handle
+
+    def try_read_on(self, s: Stream, me: Owner) -> Blocked | None:
+        """``s`` waits for the pending writes; what it enqueues from now on
+        reads the buffer (a consumer read). Only enqueues."""
+        own = self.own_stream()
+        with self._locked():
+            blocked = self.blocker(Kind.READ, False, me)
+            if blocked is not None:
+                return blocked
+            key = s._key()
+            self._note(own)
+            self._see_own_blocks(Kind.READ, False, me)
+            self.order_after(s, key, list(self.writes), join=False)
+            self._consumer_read(s, key)
+            self._declare_stream_read(s, "consume(stream=...): the consumer's read")
+            return None
+
+    def read_done_on(self, s: Stream) -> None:
+        """The consumer's work on ``s`` so far reads the buffer (the back-edge)."""
+        with self._locked():
+            if not s.closed:  # closing it recorded its lazy read already
+                self._add(Access.recorded(self, Kind.READ, s, s._key()))
+
+    def try_pin_writes(self, me: Owner) -> Blocked | list[Access]:
+        """The pending writes, pinned, for a host wait (unpin with :meth:`unpin_writes`)."""
+        own = self.own_stream()
+        with self._locked():
+            blocked = self.blocker(Kind.READ, False, me)
+            if blocked is not None:
+                return blocked
+            self._note(own)
+            self._see_own_blocks(Kind.READ, False, me)
+            for a in self.writes:
+                a.pin()
+            return list(self.writes)
+
+    def unpin_writes(self, accesses: list[Access], *, complete: bool) -> None:
+        """Let go of what :meth:`try_pin_writes` gave; complete writes are forgotten."""
+        with self._locked():
+            for a in accesses:
+                a.unpin()
+            if complete:
+                for a in accesses:
+                    if a.state is not AccessState.RELEASED:
+                        self._drop(a)
+
+    # -- the end of the buffer or of its wrapper --------------------------------
+
+    def abandon(self) -> None:
+        """The buffer was collected: nothing can conflict with its work any more."""
+        with self._locked():
+            for a in [*self.writes, *self.reads]:
+                a.release()
+            self.writes, self.reads = [], []
+
+    def settle(self) -> bool:
+        """Record what is lazy and forget what is complete; True once nothing is pending."""
+        with self._locked():
+            if self.blocks:
+                return False
+            for a in [*self.writes, *self.reads]:
+                if a.state is AccessState.LAZY:
+                    a.materialize()
+            self._drop_complete(self.writes)
+            self._drop_complete(self.reads)
+            return not self.writes and not self.reads
+
+    def pending_streams(self) -> dict[str, list[int]]:
+        with self._locked():
+            return {
+                "writes": list(dict.fromkeys(a.key.handle for a in self.writes)),
+                "reads": list(dict.fromkeys(a.key.handle for a in self.reads)),
+            }

@@ -1,0 +1,262 @@
+"""TrackedArray: the producer's view of a buffer whose pending work is tracked.
+
+The state lives in the buffer's :class:`~cai_streams._pending.PendingWork`,
+held by the scheduler; a TrackedArray is a handle on it. ``writing()`` and
+``reading()`` declare the work enqueued in their block; an export joins the
+pending writes onto one stream and adds the consumer's read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Final
+
+from ._access import Kind
+from ._backend import Backend, current_backend
+from ._blocks import Blocked, Owner, current_owner, wait_block_sync
+from ._config import settings
+from ._identity import stream_id_now
+from ._interface import ArrayView, parse
+from ._pending import PendingWork
+from ._scheduler import scheduler_for
+from ._stream import Stream, as_stream
+
+__all__ = ["TrackedArray", "export", "lookup", "track"]
+
+#: seconds a synchronous call waits for another thread's writing()/reading() block
+BLOCK_TIMEOUT: Final = 60.0
+
+
+class TrackedArray:
+    """An array whose pending work is tracked across streams (see :func:`track`).
+
+    ``array`` is the wrapped object, ``view`` its validated interface and
+    ``export_stream`` the stream exports name by default. The pending work
+    belongs to the array, not to this object: dropping it forgets nothing, and
+    ``cs.track(array)`` gives a TrackedArray over the same state.
+    """
+
+    __slots__ = ("__weakref__", "_work", "array", "view")
+
+    array: Any
+    view: ArrayView
+    _work: PendingWork
+
+    def __init__(self) -> None:
+        raise TypeError("use cai_streams.track(obj) to track an array")
+
+    @property
+    def _cai_streams_array(self) -> Any:
+        return self.array
+
+    @property
+    def export_stream(self) -> Stream:
+        """The stream :meth:`export` joins onto when given none."""
+        return self._work.export_stream
+
+    @contextmanager
+    def writing(self, stream: object, *, disjoint: bool = False) -> Iterator[TrackedArray]:
+        """Work enqueued on ``stream`` inside the block writes this array.
+
+        On enter, ``stream`` waits for all pending reads and writes on other
+        streams; on exit, the write is recorded as pending. ``disjoint=True``
+        declares that the block writes a part no other disjoint write touches
+        (the spec's streams 7, 9 and 15 each filling a third): it is not
+        ordered after other disjoint writes, so the writers run concurrently,
+        but it is after every read and every whole-array write; an export
+        joins them all.
+
+        Only enqueues GPU work. If another thread has a conflicting block of
+        this array open, waits for it to end (bounded); inside your own block,
+        what it enqueued so far counts.
+        """
+        s = as_stream(stream, self._work.backend)
+        block = _enter(self._work, Kind.WRITE, disjoint, s, "writing()")
+        try:
+            yield self
+        finally:
+            self._work.leave(block)
+
+    @contextmanager
+    def reading(self, stream: object) -> Iterator[TrackedArray]:
+        """Work enqueued on ``stream`` inside the block reads this array.
+
+        On enter, ``stream`` waits for pending writes on other streams; on exit,
+        the read is recorded as pending, so a later write elsewhere waits for it
+        (write after read). Only enqueues GPU work; waits only for another
+        thread's open ``writing()`` block of this array (bounded).
+        """
+        s = as_stream(stream, self._work.backend)
+        block = _enter(self._work, Kind.READ, False, s, "reading()")
+        try:
+            yield self
+        finally:
+            self._work.leave(block)
+
+    def export(self, stream: object = None) -> dict[str, Any]:
+        """A version 3 CAI dict with all pending writes joined onto one stream.
+
+        ``stream`` defaults to this array's export stream. No pending work:
+        ``stream`` is None. Otherwise the export stream waits for an event on
+        each other stream with pending writes (none when they are all on the
+        export stream), and what the consumer enqueues there counts as a read
+        of this array, so the next ``writing()`` waits for it; earlier
+        consumers stay protected too. Only enqueues GPU work; waits only for
+        another thread's open ``writing()`` block of this array (bounded).
+        """
+        return _export_work(self._work, stream)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """:meth:`export` onto the export stream: reading it enqueues the join
+        and adds a consumer read, as a consumer reading it is about to do."""
+        return self.export()
+
+    def pending_streams(self) -> dict[str, list[int]]:
+        """Stream handles with pending writes and reads (for inspection)."""
+        return self._work.pending_streams()
+
+    def __repr__(self) -> str:
+        return (
+            f"<TrackedArray of {type(self.array).__name__}, export stream {self.export_stream!r}>"
+        )
+
+
+_setters: dict[str, Any] = {
+    name: getattr(TrackedArray, name).__set__
+    for name in TrackedArray.__slots__
+    if name != "__weakref__"
+}
+
+
+def _enter(work: PendingWork, kind: Kind, disjoint: bool, s: Stream, what: str) -> Any:
+    me = current_owner()
+    deadline = time.monotonic() + BLOCK_TIMEOUT
+    while True:
+        got = work.try_enter(kind, disjoint, s, me)
+        if not isinstance(got, Blocked):
+            return got
+        wait_block_sync(got.block, me, deadline, what)
+
+
+def _sync_handoff(attempt: Any, what: str) -> Any:
+    """Run ``attempt(me)`` until no other thread's block is in the way."""
+    me: Owner = current_owner()
+    deadline = time.monotonic() + BLOCK_TIMEOUT
+    while True:
+        got = attempt(me)
+        if not isinstance(got, Blocked):
+            return got
+        wait_block_sync(got.block, me, deadline, what)
+
+
+def _export_work(work: PendingWork, stream: object) -> dict[str, Any]:
+    cai = work.layout.__cuda_array_interface__
+    if not settings.export_stream:
+        return cai
+    x = work.export_stream if stream is None else as_stream(stream, work.backend)
+    cai["stream"] = _sync_handoff(lambda me: work.try_export(x, me), "export()")
+    return cai
+
+
+_wrap_lock = threading.Lock()
+
+
+def _wrapper(work: PendingWork, obj: object, layout: ArrayView, backend: Backend) -> TrackedArray:
+    """The one live TrackedArray of ``work`` (made if there is none)."""
+    with _wrap_lock:
+        ref = work.wrapper
+        found = None if ref is None else ref()
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+        t: TrackedArray = object.__new__(TrackedArray)
+        _setters["array"](t, obj)
+        _setters["view"](t, layout._with_owner(obj))
+        _setters["_work"](t, work)
+        sched = scheduler_for(backend)
+        work_ref = weakref.ref(work)
+
+        def gone(_: object) -> None:
+            w = work_ref()
+            if w is not None:
+                sched.wrapper_gone(w)
+
+        work.wrapper = weakref.ref(t, gone)
+        return t
+
+
+def track(obj: object, stream: object = None) -> TrackedArray:
+    """Track pending work on ``obj`` (any object exposing the CUDA Array Interface).
+
+    ``stream`` is the export stream; None means the scheduler's own stream,
+    which lives as long as the process. The tracked state belongs to ``obj``:
+    tracking it again, from any thread, gives the same TrackedArray while one
+    is alive, and a new one over the same pending work after it was dropped.
+    Work the object's own CAI ``stream`` reports is pending from the start,
+    and again at every access and handoff. Does not block.
+    """
+    if isinstance(obj, TrackedArray):
+        return obj
+    backend = current_backend()
+    sched = scheduler_for(backend)
+    export_stream = None if stream is None else as_stream(stream, backend)
+    work = sched.work_of(obj)
+    if work is None:
+        view = parse(obj)
+        work, made = sched.work_for(obj, view._with_owner(None), export_stream)
+        if made:
+            own = work.own_stream()
+            with work._locked():
+                work._note(own)
+    if export_stream is not None and export_stream != work.export_stream:
+        with _wrap_lock:
+            if work.wrapper is not None and work.wrapper() is not None:
+                raise ValueError(
+                    f"{obj!r} is already tracked with export stream {work.export_stream!r}"
+                )
+            work.export_stream = export_stream  # no TrackedArray names the old one
+    return _wrapper(work, obj, work.layout, backend)
+
+
+def lookup(obj: object, backend: Backend) -> tuple[PendingWork, ArrayView] | None:
+    """The pending work of ``obj`` (or of a TrackedArray) and its view, if tracked."""
+    if isinstance(obj, TrackedArray):
+        return obj._work, obj.view
+    work = scheduler_for(backend).work_of(obj)
+    if work is None:
+        return None
+    return work, work.layout._with_owner(obj)
+
+
+def export(obj: object, *, stream: object = None) -> dict[str, Any]:
+    """A version 3 CAI dict for ``obj`` whose ``stream`` entry covers its pending work.
+
+    A tracked object (or TrackedArray): its pending writes are joined onto
+    ``stream`` and the consumer's read is added. Any other object: its own CAI
+    stream is joined onto ``stream`` with one event recorded now. ``stream``
+    None: the scheduler's own stream. ``CAI_STREAMS_EXPORT_STREAM=0`` exports
+    ``stream: None`` and joins nothing. Only enqueues GPU work; waits only for
+    another thread's open ``writing()`` block of a tracked array (bounded).
+    """
+    backend = current_backend()
+    found = lookup(obj, backend)
+    if found is not None:
+        return _export_work(found[0], stream)
+    view = parse(obj)
+    cai = view.with_stream(None).__cuda_array_interface__
+    if not settings.export_stream or view.stream is None:
+        return cai
+    sched = scheduler_for(backend)
+    x = sched.export_stream if stream is None else as_stream(stream, backend)
+    sched.counters.add(exports=1)
+    producer = stream_id_now(backend, view.stream)
+    if producer != x._key():
+        sched.join(x.handle, producer, keepalive=x)
+        sched.counters.add(joins=1)
+    sched.declare_stream_read(x, view, "export(): the consumer's read")
+    cai["stream"] = x.handle
+    return cai
