@@ -1,0 +1,1064 @@
+"""Every handoff pattern race-free, leak-free and loop-friendly: one test (or a
+few) per class of program that used to break, each beside a control that shows
+what goes wrong without the mechanism under test.
+
+Ordering is shown with data: a latch holds a stream, so a missing wait reads
+or writes the wrong values deterministically. Tests that use ``ops`` hold on
+both backends; the others need the simulated device (jitter, handle reuse,
+per-thread default streams held on the host) and select it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams import sim
+
+from .device_ops import DeviceOps, SimOps
+from .model import recycled_stream_handles, until
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def sim_backend() -> Iterator[cs.Backend]:
+    previous = cs.current_backend()
+    chosen = cs.use_backend("sim")
+    try:
+        yield chosen
+    finally:
+        cs.use_backend(previous.name)
+
+
+def _held(stream_or_event: cs.Stream | cs.Event) -> bool:
+    """Whether the work so far is still not done 50 ms later: long enough for
+    work that did not wait for a held stream to have run."""
+    event = stream_or_event.record() if isinstance(stream_or_event, cs.Stream) else stream_or_event
+    time.sleep(0.05)
+    return not event.is_done
+
+
+def _values(obj: Any) -> np.ndarray[Any, Any]:
+    """The simulated device memory behind ``obj``, as numpy (no stream work)."""
+    data = sim._numpy_view(obj)
+    assert data is not None
+    return data
+
+
+def _settled_in_flight(*streams: cs.Stream) -> int:
+    for s in streams:
+        s.synchronize()
+    gc.collect()
+    return cs.stats()["events_in_flight"]
+
+
+class Reporting:
+    """A producer whose interface names whatever stream it says (a Numba array
+    with a default stream, a CuPy array exported under a stream)."""
+
+    def __init__(self, arr: Any) -> None:
+        self.arr = arr
+        self.stream: int | None = None
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return cs.read_interface(self.arr).with_stream(self.stream).__cuda_array_interface__
+
+
+async def _returns_only_after_release(call: Callable[[], Awaitable[Any]], latch: Any) -> Any:
+    """``call()`` must still be waiting while ``latch`` holds; then it returns."""
+    got: list[Any] = []
+
+    async def run() -> None:
+        got.append(await call())
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            for _ in range(20):
+                await anyio.sleep(0.001)
+            assert not got, "returned while the producer's stream was held"
+            latch.release()
+    finally:
+        latch.release()
+    return got[0]
+
+
+# -- 1. fan-out: every consumer is protected, not only the last --------------------------
+
+FAN_OUTS = [
+    "export, export",
+    "export, consume(stream=)",
+    "export, host consume",
+    "consume(stream=), consume(stream=)",
+    "consume(stream=), host consume",
+]
+
+
+@pytest.mark.parametrize("shape", FAN_OUTS)
+async def test_a_fan_out_protects_every_consumer(ops: DeviceOps, shape: str) -> None:
+    """Two consumers of one tracked buffer; the first is slow (held) and
+    enqueues its read after the second handoff. The producer's next
+    writing() must wait for it too, so it reads 1, not 2."""
+    p, a, b, w = cs.Stream(), cs.Stream(), cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(64, "float32"))
+    out_a = ops.array(np.zeros(64, "float32"))
+    out_b = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    with t.writing(p):
+        ops.fill(p, arr, 1.0)
+    first, second = shape.split(", ")
+    latch = ops.latch(a)
+    try:
+        if first == "export":
+            assert t.export(a)["stream"] == a.handle
+        else:
+            await cs.consume(t, stream=a)
+        if second == "export":
+            assert cs.export(t, stream=b)["stream"] in (b.handle, None)
+            ops.copy(b, out_b, cs.read_interface(arr))
+        elif second == "consume(stream=)":
+            view = await cs.consume(t, stream=b)
+            ops.copy(b, out_b, view.with_stream(None))
+        else:
+            view = await cs.consume(t, timeout=5)
+            assert (ops.to_host(arr) == 1).all()
+        ops.copy(a, out_a, cs.read_interface(arr))  # the first consumer's read comes now
+        with t.writing(w):  # the producer reuses the buffer
+            ops.fill(w, arr, 2.0)
+        assert _held(w), "the writer did not wait for the held consumer"
+    finally:
+        latch.release()
+    for s in (a, b, w):
+        s.synchronize()
+    assert (ops.to_host(out_a) == 1).all()
+    if second != "host consume":
+        assert (ops.to_host(out_b) == 1).all()
+    assert (ops.to_host(arr) == 2).all()
+
+
+async def test_a_fan_out_control_an_undeclared_reader_is_overwritten(ops: DeviceOps) -> None:
+    """The control: the first reader orders itself after the producer by hand,
+    so the buffer does not know it, and the refill overtakes it."""
+    p, a, w = cs.Stream(), cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(64, "float32"))
+    out = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    with t.writing(p):
+        ops.fill(p, arr, 1.0)
+    latch = ops.latch(a)
+    try:
+        a.wait(p)
+        with cs.sanitize(False):  # racy on purpose
+            ops.copy(a, out, cs.read_interface(arr))
+            with t.writing(w):
+                ops.fill(w, arr, 2.0)
+        w.synchronize()  # the refill completes while the reader is held
+    finally:
+        latch.release()
+    a.synchronize()
+    assert (ops.to_host(out) == 2).all()
+
+
+# -- 2. a consumer closing its stream ------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["consume(stream=)", "export(stream=)"])
+async def test_closing_the_consumers_stream_keeps_the_producer_working(
+    ops: DeviceOps, how: str
+) -> None:
+    """The consumer's stream is closed with its read still held; the producer
+    goes on (no 'this Stream is closed', ever), its next write waits for the
+    read, and no event is left behind."""
+    p, w = cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(64, "float32"))
+    out = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    with t.writing(p):
+        ops.fill(p, arr, 1.0)
+    base = _settled_in_flight(p)
+    with cs.Stream() as s:
+        latch = ops.latch(s)
+        if how == "consume(stream=)":
+            await cs.consume(t, stream=s)
+        else:
+            cs.export(t, stream=s)
+        ops.copy(s, out, cs.read_interface(arr))
+        done = s.record()
+    try:
+        with t.writing(w):
+            ops.fill(w, arr, 2.0)
+        assert _held(w), "the writer did not wait for the closed stream's read"
+    finally:
+        latch.release()
+    done.synchronize()
+    w.synchronize()
+    assert (ops.to_host(out) == 1).all() and (ops.to_host(arr) == 2).all()
+    for _ in range(20):  # and it stays usable: every later use, every re-track
+        with cs.track(arr).writing(p):
+            ops.fill(p, arr, 3.0)
+        cs.export(arr)
+        await cs.consume(arr, timeout=5)
+    del done
+    assert _settled_in_flight(p, w) <= base
+
+
+# -- 3. concurrent consumers pin and unpin every event --------------------------------------
+
+PATTERNS = ["gather", "consume_all(t, t)", "host consume racing an export", "threads"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+async def test_concurrent_consumers_of_one_array_leave_no_event_pinned(
+    ops: DeviceOps, pattern: str
+) -> None:
+    p, x = cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(16, "float32"))
+    t = cs.track(arr, stream=x)
+    base = _settled_in_flight(p, x)
+    for i in range(100):
+        with t.writing(p):
+            ops.fill(p, arr, float(i), duration=0.0002)
+        if pattern == "gather":
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cs.consume, t)
+                tg.start_soon(cs.consume, t)
+        elif pattern == "consume_all(t, t)":
+            await cs.consume_all(t, t, timeout=5)
+        elif pattern == "host consume racing an export":
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cs.consume, t)
+                await anyio.lowlevel.checkpoint()
+                t.export()
+        else:
+
+            def consumer(i: int = i) -> None:
+                cs.consume_blocking(t, timeout=5)
+                cs.happens_before(("consumer", i))  # the host reads end before the join
+
+            threads = [threading.Thread(target=consumer) for _ in range(3)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(10)
+            cs.happens_after(("consumer", i))
+        assert (ops.to_host(arr) == i).all()
+    assert cs.stats()["events_pinned"] == 0
+    assert _settled_in_flight(p, x) <= base + 1  # the last cycle's pending read may hold one
+
+
+# -- 4. dropping the TrackedArray -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_dropping_the_tracked_array_forgets_no_pending_work(
+    ops: DeviceOps, declared: bool
+) -> None:
+    """The wrapper goes at once; the buffer's pending write does not. The
+    control writes without declaring it: consume sees nothing to wait for."""
+    s = cs.Stream()
+    buf = ops.array(np.zeros(64, "float32"))
+    latch = ops.latch(s)
+    try:
+        if declared:
+            with cs.track(buf).writing(s):
+                ops.fill(s, buf, 5.0)
+            gc.collect()
+            view = await _returns_only_after_release(lambda: cs.consume(buf, timeout=10), latch)
+            assert (ops.to_host(view) == 5).all()
+        else:
+            ops.fill(s, buf, 5.0)
+            with cs.sanitize(False):  # racy on purpose
+                view = await cs.consume(buf, timeout=10)  # at once: nothing declared
+            assert (ops.to_host(view) == 0).all()
+    finally:
+        latch.release()
+    s.synchronize()
+
+
+# -- 5. handle 2 is one stream per host thread -----------------------------------------------
+
+
+def _in_thread(fn: Callable[[], Any]) -> Any:
+    out: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            errors.append(exc)
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join(20)
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_read_on_another_threads_stream_2_waits_for_its_write(
+    sim_backend: cs.Backend, declared: bool
+) -> None:
+    """Thread A writes on its stream 2 (held); thread B reads on its own
+    stream 2 inside reading(): B waits. The control reads undeclared."""
+    ops = SimOps()
+    t = cs.track(sim.asarray(np.zeros(64)))
+    out = sim.asarray(np.full(64, -1.0))
+
+    def write() -> Any:
+        with t.writing(2):
+            latch = ops.latch(cs.Stream.wrap(2))
+            ops.fill(cs.Stream.wrap(2), t.array, 7.0)
+        return latch
+
+    def read() -> cs.Event:
+        mine = cs.Stream.wrap(2)
+        if declared:
+            with t.reading(2):
+                ops.copy(mine, out, t.array)
+        else:
+            with cs.sanitize(False):
+                ops.copy(mine, out, t.array)
+        return mine.record()
+
+    latch = _in_thread(write)
+    try:
+        done = _in_thread(read)
+        if declared:
+            assert _held(done), "B's stream 2 did not wait for A's write"
+        else:
+            done.synchronize()
+    finally:
+        latch.release()
+    done.synchronize()
+    assert (_values(out) == (7.0 if declared else 0.0)).all()
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_writer_waits_for_a_consumer_on_another_threads_stream_2(
+    sim_backend: cs.Backend, declared: bool
+) -> None:
+    """Thread A consumes onto its stream 2 and reads there (held); thread B
+    then writes on its own stream 2 and must wait for A's read."""
+    ops = SimOps()
+    t = cs.track(sim.asarray(np.ones(64)))
+    out = sim.asarray(np.full(64, -1.0))
+
+    def consume() -> Any:
+        mine = cs.Stream.wrap(2)
+        latch = ops.latch(mine)
+        if declared:
+            view = cs.consume_blocking(t, stream=2)
+            ops.copy(mine, out, view)
+        else:
+            with cs.sanitize(False):
+                ops.copy(mine, out, t.array)
+        return latch
+
+    def write() -> cs.Event:
+        with cs.sanitize(declared):
+            with t.writing(2):
+                ops.fill(cs.Stream.wrap(2), t.array, 9.0)
+            return cs.Stream.wrap(2).record()
+
+    latch = _in_thread(consume)
+    try:
+        done = _in_thread(write)
+        if declared:
+            assert _held(done), "B's write did not wait for A's read on A's stream 2"
+        else:
+            done.synchronize()
+    finally:
+        latch.release()
+    done.synchronize()
+    cs.current_backend().synchronize_stream(1)  # and A's stream 2, which it waits for
+    assert (_values(out) == (1.0 if declared else 9.0)).all()
+
+
+# -- 6. track() from several threads at once -------------------------------------------------
+
+
+class SlowInterface:
+    """Reading its interface takes a while (and lets other threads run)."""
+
+    def __init__(self, arr: Any) -> None:
+        self.arr = arr
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        time.sleep(0.002)
+        return cs.read_interface(self.arr).__cuda_array_interface__
+
+
+def _track_at_once(obj: object, threads: int) -> list[cs.TrackedArray]:
+    start = threading.Barrier(threads)
+    got: list[cs.TrackedArray] = []
+
+    def track() -> None:
+        start.wait()
+        got.append(cs.track(obj))
+
+    running = [threading.Thread(target=track) for _ in range(threads)]
+    for th in running:
+        th.start()
+    for th in running:
+        th.join(10)
+    return got
+
+
+def test_track_from_several_threads_at_once_gives_one_tracked_array(
+    sim_backend: cs.Backend,
+) -> None:
+    ops = SimOps()
+    for _ in range(10):
+        obj = SlowInterface(sim.asarray(np.zeros(8)))
+        got = _track_at_once(obj, 6)
+        assert len({id(t) for t in got}) == 1, "several TrackedArrays for one object"
+        # and a write through any of them is what consume waits for
+        s = cs.Stream()
+        latch = ops.latch(s)
+        with got[-1].writing(s):
+            ops.fill(s, obj.arr, 3.0)
+
+        async def consume(obj: object = obj, latch: Any = latch) -> Any:
+            return await _returns_only_after_release(lambda: cs.consume(obj), latch)
+
+        assert (_values(anyio.run(consume)) == 3).all()
+
+
+# -- 7. never block the event loop on another thread's writing() block ----------------------
+
+BLOCK = 1.0  # how long the other thread holds its writing() block, in seconds
+
+
+async def _heartbeat_during(
+    awaitable: Callable[[], Awaitable[None]], stop_after: float = 0.0
+) -> list[float]:
+    gaps: list[float] = []
+    done = anyio.Event()
+
+    async def beat() -> None:
+        last = anyio.current_time()
+        while not done.is_set():
+            await anyio.sleep(0.001)
+            now = anyio.current_time()
+            gaps.append(now - last)
+            last = now
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(beat)
+        await anyio.sleep(0.01)
+        try:
+            await awaitable()
+        finally:
+            await anyio.sleep(stop_after)
+            done.set()
+    return gaps
+
+
+def _hold_writing_block(t: cs.TrackedArray, s: cs.Stream, ops: DeviceOps) -> threading.Event:
+    entered = threading.Event()
+
+    def hold() -> None:
+        with t.writing(s):
+            entered.set()
+            time.sleep(BLOCK)
+            ops.fill(s, t.array, 8.0)
+
+    threading.Thread(target=hold, daemon=True).start()
+    assert entered.wait(10)
+    return entered
+
+
+async def test_consume_times_out_while_another_thread_holds_a_writing_block(
+    sim_backend: cs.Backend,
+) -> None:
+    """``await consume(t, timeout=0.1)`` raises in about 0.1 s and the loop
+    never stalls for the block's length; once the block ends, the write is seen."""
+    ops = SimOps()
+    t = cs.track(sim.asarray(np.zeros(64)))
+    s = cs.Stream()
+    _hold_writing_block(t, s, ops)
+    elapsed: list[float] = []
+
+    async def consume_with_timeout() -> None:
+        start = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            await cs.consume(t, timeout=0.1)
+        elapsed.append(time.perf_counter() - start)
+
+    gaps = await _heartbeat_during(consume_with_timeout)
+    assert 0.1 <= elapsed[0] < BLOCK / 4, elapsed
+    assert max(gaps) < BLOCK / 4, max(gaps)
+    view = await cs.consume(t, timeout=10)  # waits (yielding) for the block, then its write
+    assert (_values(view) == 8).all()
+
+
+async def test_consume_control_a_blocking_wait_stalls_the_loop_for_the_block(
+    sim_backend: cs.Backend,
+) -> None:
+    """The control: a blocking wait inside the loop (what taking a thread lock
+    amounts to) stalls the heartbeat for the rest of the block."""
+    ops = SimOps()
+    t = cs.track(sim.asarray(np.zeros(64)))
+    _hold_writing_block(t, cs.Stream(), ops)
+
+    async def block_the_loop() -> None:
+        cs.consume_blocking(t, timeout=10)
+
+    gaps = await _heartbeat_during(block_the_loop)
+    assert max(gaps) > BLOCK / 2, max(gaps)
+
+
+async def test_a_task_waits_for_another_tasks_block_held_across_an_await(
+    sim_backend: cs.Backend,
+) -> None:
+    """Two tasks of one loop: one holds a writing() block across an await; the
+    other's consume waits for it by yielding (a synchronous call that would
+    have to block the loop for it refuses instead of deadlocking)."""
+    ops = SimOps()
+    t = cs.track(sim.asarray(np.zeros(16)))
+    s, c = cs.Stream(), cs.Stream()
+    order: list[str] = []
+
+    async def writer() -> None:
+        with t.writing(s):
+            order.append("entered")
+            await anyio.sleep(0.05)
+            ops.fill(s, t.array, 5.0)
+        order.append("left")
+
+    async def reader() -> None:
+        await anyio.sleep(0.01)
+        with pytest.raises(RuntimeError, match="another task of this thread"):
+            with t.reading(c):
+                pass
+        view = await cs.consume(t, timeout=5)
+        order.append("consumed")
+        assert (_values(view) == 5).all()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(writer)
+        tg.start_soon(reader)
+    assert order == ["entered", "left", "consumed"]
+
+
+# -- 8. timeout=0 takes data that is ready ---------------------------------------------------
+
+
+@pytest.fixture
+def stream_query(sim_backend: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The simulated device answers ``query_stream`` (cudaStreamQuery), which the
+    library uses when a backend has it. Stands in for the backend method
+    until the simulator has it: a marker after each enqueued operation."""
+    if hasattr(type(sim_backend), "query_stream"):
+        yield
+        return
+    from cai_streams._backend._sim import _Point
+
+    last: dict[int, _Point] = {}
+    real_enqueue = sim_backend._enqueue
+
+    def enqueue(handle: int, op: Any) -> None:
+        real_enqueue(handle, op)
+        stream = sim_backend._resolve(handle)
+        point = _Point(stream.handle)
+        stream.push(("mark", point))
+        last[id(stream)] = point
+
+    def query_stream(handle: int) -> bool:
+        point = last.get(id(sim_backend._resolve(handle)))
+        return point is None or point.done.is_set()
+
+    monkeypatch.setattr(sim_backend, "_enqueue", enqueue)
+    monkeypatch.setattr(sim_backend, "query_stream", query_stream, raising=False)
+    yield
+
+
+@pytest.mark.parametrize("ready", [True, False])
+async def test_timeout_zero_takes_data_that_is_ready(stream_query: None, ready: bool) -> None:
+    """An untracked producer whose work finished long ago: ``timeout=0``
+    takes it every time, and spends no event. The control: work still
+    pending raises TimeoutError every time."""
+    ops = SimOps()
+    s = cs.Stream()
+    arr = sim.asarray(np.zeros(16))
+    ops.fill(s, arr, 4.0)
+    latch = None if ready else ops.latch(s)
+    if ready:
+        s.synchronize()
+    arr.stream = s.handle
+    try:
+        before = cs.stats()["events_acquired"]
+        outcomes = []
+        for _ in range(50):
+            try:
+                await cs.consume(arr, timeout=0)
+                outcomes.append("taken")
+            except TimeoutError:
+                outcomes.append("timeout")
+        if ready:
+            assert outcomes == ["taken"] * 50
+            assert cs.stats()["events_acquired"] == before  # a stream query, no record
+        else:
+            assert outcomes == ["timeout"] * 50
+    finally:
+        if latch is not None:
+            latch.release()
+    s.synchronize()
+
+
+async def test_timeout_zero_takes_a_tracked_array_whose_writes_are_done(ops: DeviceOps) -> None:
+    s = cs.Stream()
+    arr = ops.array(np.zeros(16, "float32"))
+    t = cs.track(arr)
+    with t.writing(s):
+        ops.fill(s, arr, 2.0)
+    s.synchronize()
+    for _ in range(50):
+        view = await cs.consume(t, timeout=0)
+    assert (ops.to_host(view) == 2).all()
+
+
+# -- 9. an export inside the writer's own writing() block -------------------------------------
+
+
+@pytest.mark.parametrize("after_the_work", [True, False])
+async def test_an_export_inside_ones_own_writing_block_covers_its_work(
+    ops: DeviceOps, after_the_work: bool
+) -> None:
+    """What the block enqueued before the export is what the export covers;
+    the control exports before enqueueing its write, and the consumer sees
+    the old data."""
+    s, x = cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(64, "float32"))
+    out = ops.array(np.full(64, -1.0, "float32"))
+    t = cs.track(arr)
+    latch = ops.latch(s)
+    later = None
+    try:
+        with t.writing(s):
+            if after_the_work:
+                ops.fill(s, arr, 3.0)
+            cai = t.export(x)
+            assert cai["stream"] == x.handle  # s's work so far (the held latch) is pending
+            with cs.sanitize(after_the_work):  # the control races on purpose
+                if not after_the_work:
+                    later = ops.latch(s)  # the write comes after the export, and later still
+                    ops.fill(s, arr, 3.0)
+                ops.copy(x, out, cs.read_interface(arr))
+        latch.release()
+        x.synchronize()
+    finally:
+        latch.release()
+        if later is not None:
+            later.release()
+    s.synchronize()
+    assert (ops.to_host(out) == (3.0 if after_the_work else 0.0)).all()
+
+
+# -- 10. consume(sync=False) names where the data will be ready ------------------------------
+
+
+@pytest.mark.parametrize("follows_the_view", [True, False])
+async def test_opt_out_consume_of_a_tracked_array_names_its_stream(
+    ops: DeviceOps, follows_the_view: bool
+) -> None:
+    """sync=False waits for nothing, and the view names the stream the pending
+    writes are joined onto; a consumer that follows it reads the new data,
+    one that ignores it (the control) does not."""
+    p, c = cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(64, "float32"))
+    out = ops.array(np.full(64, -1.0, "float32"))
+    t = cs.track(arr)
+    latch = ops.latch(p)
+    try:
+        with t.writing(p):
+            ops.fill(p, arr, 4.0)
+        view = await cs.consume(t, sync=False)
+        assert view.stream == t.export_stream.handle
+        if follows_the_view:
+            ops.copy(cs.Stream.wrap(view.stream), out, view.with_stream(None))
+        else:
+            with cs.sanitize(False):
+                ops.copy(c, out, view.with_stream(None))
+            c.synchronize()
+    finally:
+        latch.release()
+    p.synchronize()
+    t.export_stream.synchronize()
+    assert (ops.to_host(out) == (4.0 if follows_the_view else 0.0)).all()
+
+
+# -- 11. a tracked object's own interface stream --------------------------------------------
+
+
+@pytest.mark.parametrize("sync", [True, False])
+async def test_a_tracked_object_that_later_reports_a_stream_is_waited_for(
+    ops: DeviceOps, sync: bool
+) -> None:
+    """Tracked while idle; later its producer enqueues work and names the
+    stream in its interface: consume waits for it. The control opts out."""
+    p = cs.Stream()
+    arr = ops.array(np.zeros(64, "float32"))
+    obj = Reporting(arr)
+    t = cs.track(obj)
+    latch = ops.latch(p)
+    try:
+        ops.fill(p, arr, 6.0)
+        obj.stream = p.handle  # the producer says where its work is pending
+        if sync:
+            view = await _returns_only_after_release(lambda: cs.consume(t, timeout=10), latch)
+            assert (ops.to_host(view) == 6).all()
+        else:
+            view = await cs.consume(t, sync=False)
+            assert (ops.to_host(view) == 0).all()
+    finally:
+        latch.release()
+    p.synchronize()
+
+
+# -- 12. a cancelled poller task strands no waiter ---------------------------------------------
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_cancelling_the_shared_poller_task_strands_no_waiter(
+    sim_backend: cs.Backend, loop: str
+) -> None:
+    """Shutdown code cancels every task but its own, the shared poller
+    included; the consumer it awaits still wakes when the work completes."""
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    ops = SimOps()
+    s = cs.Stream()
+    arr = sim.asarray(np.zeros(16))
+    latch = ops.latch(s)
+    ops.fill(s, arr, 1.0)
+    arr.stream = s.handle
+    cancelled: list[str] = []
+
+    async def main() -> cs.ArrayView:
+        me = asyncio.current_task()
+
+        async def shutdown() -> None:
+            await until(
+                lambda: any(t.get_name() == "cai_streams poller" for t in asyncio.all_tasks())
+            )
+            for task in asyncio.all_tasks():
+                if task is not me and task is not asyncio.current_task():
+                    cancelled.append(task.get_name())
+                    task.cancel()
+            await asyncio.sleep(0.01)
+            latch.release()
+
+        helper = asyncio.create_task(shutdown())
+        try:
+            return await cs.consume(arr, timeout=3)
+        finally:
+            await helper
+
+    try:
+        view = anyio.run(main, backend="asyncio", backend_options={"use_uvloop": loop == "uvloop"})
+    finally:
+        latch.release()
+    assert "cai_streams poller" in cancelled
+    assert (_values(view) == 1).all()
+
+
+# -- 13. disjoint writers after a whole-array write -------------------------------------------
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_disjoint_writers_wait_for_an_earlier_whole_array_write(
+    ops: DeviceOps, declared: bool
+) -> None:
+    """A memset of the whole array (held), then three writers of disjoint
+    thirds that add to it: each waits for the memset. The control does the
+    memset outside writing(), and the adds land first."""
+    m = cs.Stream()
+    writers = [cs.Stream() for _ in range(3)]
+    arr = ops.array(np.full(300, 5.0, "float32"))
+    t = cs.track(arr)
+    latch = ops.latch(m)
+    try:
+        if declared:
+            with t.writing(m):
+                ops.fill(m, arr, 0.0)
+        else:
+            ops.fill(m, arr, 0.0)
+        with cs.sanitize(declared):
+            for i, w in enumerate(writers):
+                with t.writing(w, disjoint=True):
+                    ops.add(w, arr[i * 100 : (i + 1) * 100], float(i + 1))
+        if not declared:
+            for w in writers:
+                w.synchronize()
+    finally:
+        latch.release()
+    m.synchronize()
+    for w in writers:
+        w.synchronize()
+    expected = np.repeat([1.0, 2.0, 3.0], 100) if declared else np.zeros(300)
+    np.testing.assert_array_equal(ops.to_host(arr), expected)
+
+
+def test_a_second_round_of_disjoint_writers_is_ordered_after_the_first(
+    sim_backend: cs.Backend,
+) -> None:
+    """Disjoint writers of one round run concurrently; after a read (an
+    export) the next round is a new group: its writer of a third waits for
+    the previous round's writer of that third, even on another stream."""
+    ops = SimOps()
+    a, b, x = cs.Stream(), cs.Stream(), cs.Stream()
+    arr = sim.asarray(np.zeros(30))
+    t = cs.track(arr, stream=x)
+    first = arr[0:10]
+    latch = ops.latch(a)
+    try:
+        with t.writing(a, disjoint=True):
+            ops.fill(a, first, 1.0)
+        t.export()
+        with t.writing(b, disjoint=True):  # round 2, same third, other stream
+            ops.fill(b, first, 2.0)
+        assert _held(b), "round 2 did not wait for round 1"
+    finally:
+        latch.release()
+    b.synchronize()
+    assert (_values(first) == 2).all()
+
+
+# -- 14. one stream identity: a reused handle is another stream -------------------------------
+
+
+def test_a_closed_streams_reused_handle_is_another_stream(sim_backend: cs.Backend) -> None:
+    with recycled_stream_handles(sim_backend):
+        s1 = cs.Stream()
+        h = s1.handle
+        s1.close()
+        s2 = cs.Stream()
+        assert s2.handle == h  # CUDA reuses it
+        assert s1 != s2 and hash(s1) != hash(s2)
+        assert cs.Stream.wrap(h) == s2 and cs.Stream.wrap(s2) == s2
+        s2.close()
+    t2 = [cs.Stream.wrap(2)]
+    t2.append(_in_thread(lambda: cs.Stream.wrap(2)))
+    assert t2[0] != t2[1]  # handle 2 is one stream per host thread
+    assert cs.Stream.wrap(2) == t2[0]
+
+
+@pytest.mark.parametrize("recycle", [True, False])
+def test_a_pending_read_on_a_closed_stream_is_waited_for_by_its_handles_successor(
+    sim_backend: cs.Backend, recycle: bool
+) -> None:
+    """A consumer's stream is closed with its read held; the next stream gets
+    its handle and writes: that is another stream, so it waits."""
+    ops = SimOps()
+    t = cs.track(sim.asarray(np.ones(64)))
+    out = sim.asarray(np.full(64, -1.0))
+    with recycled_stream_handles(sim_backend) if recycle else _nothing():
+        c1 = cs.Stream()
+        latch = ops.latch(c1)
+        try:
+            view = cs.consume_blocking(t, stream=c1)
+            ops.copy(c1, out, view)
+            done = c1.record()
+            c1.close()
+            c2 = cs.Stream()
+            assert (c2.handle == view.stream) is recycle
+            with t.writing(c2):
+                ops.fill(c2, t.array, 2.0)
+            assert _held(c2), "the successor did not wait for the closed read"
+        finally:
+            latch.release()
+        done.synchronize()
+        c2.synchronize()
+        c2.close()
+    assert (_values(out) == 1).all()
+
+
+def test_work_a_producer_names_by_bare_handle_is_recorded_at_the_handoff(
+    sim_backend: cs.Backend,
+) -> None:
+    """track() of an object whose interface names a stream: the event is
+    recorded then, not later, when the handle names another stream."""
+    ops = SimOps()
+    with recycled_stream_handles(sim_backend):
+        p = cs.Stream()
+        arr = sim.asarray(np.zeros(64))
+        latch = ops.latch(p)
+        ops.fill(p, arr, 5.0)
+        arr.stream = p.handle
+        t = cs.track(arr)
+        arr.stream = None  # the producer has handed over
+        p.close()
+        q = cs.Stream()  # gets p's handle: idle
+        assert q.handle == p._handle
+        view = anyio.run(lambda: _returns_only_after_release(lambda: cs.consume(t), latch))
+        assert (_values(view) == 5).all()
+        q.close()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# -- 15. errors say what happened --------------------------------------------------------------
+
+
+async def test_a_failed_poller_query_is_never_reported_as_success(
+    sim_backend: cs.Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The poller's query raises once; the waiter asks again in its own task
+    and, the work being merely pending, keeps waiting: no CudaError with code
+    0. A query that keeps failing raises the driver's own error."""
+    ops = SimOps()
+    s = cs.Stream()
+    arr = sim.asarray(np.zeros(16))
+    latch = ops.latch(s)
+    ops.fill(s, arr, 1.0)
+    arr.stream = s.handle
+    real = sim_backend.query
+    failures = {"once": 0, "always": 0}
+    mode = {"now": "off"}
+
+    def query(event: int) -> bool:
+        if mode["now"] == "once":
+            mode["now"] = "off"
+            failures["once"] += 1
+            raise cs.CudaError(999, "cudaErrorTransient", "flaky query")
+        if mode["now"] == "always":
+            failures["always"] += 1
+            raise cs.CudaError(700, "cudaErrorIllegalAddress", "the device faulted")
+        return bool(real(event))
+
+    monkeypatch.setattr(sim_backend, "query", query)
+
+    async def flaky_then_release() -> None:
+        await anyio.sleep(0.01)
+        mode["now"] = "once"
+        await until(lambda: mode["now"] != "once")
+        await anyio.sleep(0.01)
+        latch.release()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(flaky_then_release)
+            view = await cs.consume(arr, timeout=5)
+    finally:
+        latch.release()
+    assert failures["once"] == 1 and (_values(view) == 1).all()
+
+    latch = ops.latch(s)
+    try:
+
+        async def fail_soon() -> None:
+            await anyio.sleep(0.01)
+            mode["now"] = "always"
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fail_soon)
+            with pytest.raises(cs.CudaError) as info:
+                await cs.consume(arr, timeout=5)
+        assert (info.value.code, info.value.name) == (700, "cudaErrorIllegalAddress")
+    finally:
+        mode["now"] = "off"
+        latch.release()
+    s.synchronize()
+
+
+def test_a_stream_of_another_backend_instance_is_named_so(sim_backend: cs.Backend) -> None:
+    from cai_streams import _backend
+    from cai_streams._backend._sim import SimBackend
+
+    other = SimBackend(jitter=0.0)
+    with _backend._lock:
+        saved, _backend._current = _backend._current, other
+    try:
+        foreign = cs.Stream()
+    finally:
+        with _backend._lock:
+            _backend._current = saved
+    try:
+        with pytest.raises(ValueError) as info:
+            cs.consume_blocking(sim.empty(4), stream=foreign)
+        message = str(info.value)
+        assert "another 'sim' backend instance" in message
+        assert "not 'sim'" not in message
+    finally:
+        foreign.close()
+        other.close()
+
+
+BIG = 1 << 64
+
+
+@pytest.mark.parametrize(
+    ("entry", "field"),
+    [
+        ({"data": (BIG, False)}, "data"),
+        ({"data": (BIG + 4096, False)}, "data"),
+        ({"stream": BIG}, "stream"),
+        ({"stream": BIG + 7}, "stream"),
+        ({"data": (BIG - 8, False), "strides": (8,)}, "strides"),
+        ({"data": (8, False), "strides": (-4096,)}, "strides"),
+    ],
+)
+def test_values_beyond_64_bits_are_refused(entry: dict[str, Any], field: str) -> None:
+    cai = {"shape": (2,), "typestr": "<f8", "data": (4096, False), "version": 3} | entry
+
+    class Exports:
+        __cuda_array_interface__ = cai
+
+    with pytest.raises(cs.InterfaceError, match=repr(field)):
+        cs.read_interface(Exports())
+
+
+def test_stream_handles_beyond_64_bits_are_refused() -> None:
+    with pytest.raises(ValueError, match="64 bits"):
+        cs.Stream.wrap(BIG)
+
+
+def test_a_cyclic_mask_is_an_interface_error() -> None:
+    class Masked:
+        def __init__(self) -> None:
+            self.mask: object = self
+
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            return {
+                "shape": (2,),
+                "typestr": "<f4",
+                "data": (4096, False),
+                "version": 3,
+                "mask": self.mask,
+            }
+
+    a, b = Masked(), Masked()
+    with pytest.raises(cs.InterfaceError, match="mask"):
+        cs.read_interface(a)
+    a.mask, b.mask = b, a
+    with pytest.raises(cs.InterfaceError, match="mask"):
+        cs.read_interface(a)
+
+
+def test_views_can_be_weakly_referenced() -> None:
+    view = cs.read_interface(sim.empty(4))
+    assert weakref.ref(view)() is view
