@@ -1,0 +1,218 @@
+"""The simulated device's streams and devices: FIFOs drained by worker threads.
+
+A stream is a FIFO of operations and a worker thread, started on first use,
+that runs them one at a time: kernels (Python callables, after their duration
+and a seeded jitter), marks (a point later work or the host can wait for),
+waits (block this worker until another stream's mark is reached) and graph
+replays. A device holds its legacy stream, the blocking per-thread default
+streams of live host threads, and its sticky fault.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from .._errors import CudaError, KernelError
+
+if TYPE_CHECKING:
+    from ._sim import SimBackend
+    from ._sim_graph import Capture, GraphExec
+
+__all__ = ["Device", "Point", "SimStream", "kernel_hooks", "sim_error"]
+
+#: called on the stream's worker with (stream, kernel name, start, end) in
+#: ``time.perf_counter()`` seconds after every kernel (the tracer records it)
+kernel_hooks: list[Callable[[int, str, float, float], None]] = []
+
+_NAMES: Final = {
+    1: "cudaErrorInvalidValue",
+    101: "cudaErrorInvalidDevice",
+    400: "cudaErrorInvalidResourceHandle",
+    401: "cudaErrorIllegalState",
+    900: "cudaErrorStreamCaptureUnsupported",
+    901: "cudaErrorStreamCaptureInvalidated",
+    902: "cudaErrorStreamCaptureMerge",
+    903: "cudaErrorStreamCaptureUnmatched",
+    904: "cudaErrorStreamCaptureUnjoined",
+    905: "cudaErrorStreamCaptureIsolation",
+    906: "cudaErrorStreamCaptureImplicit",
+    907: "cudaErrorCapturedEvent",
+    908: "cudaErrorStreamCaptureWrongThread",
+}
+
+
+def sim_error(code: int, detail: str) -> CudaError:
+    """The CudaError the driver returns as ``code``, with what happened."""
+    return CudaError(code, _NAMES[code], detail)
+
+
+def raise_fault(fault: KernelError) -> None:
+    # A fresh instance per raise: tracebacks are not shared between threads.
+    raise KernelError(fault.kernel, fault.stream, fault.__cause__ or fault)
+
+
+class Point:
+    """A position in one stream's FIFO; set once every earlier operation ran."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+class Device:
+    """One simulated device: its legacy stream, blocking streams and fault state."""
+
+    def __init__(self, backend: SimBackend, ordinal: int) -> None:
+        self.ordinal = ordinal
+        #: the first kernel failure since the last reset: poisons the device
+        self.fault: KernelError | None = None
+        #: a synchronizing call reported ``fault``: every call now raises it
+        self.fault_seen = False
+        #: bumped by reset(): kernels enqueued before it never run
+        self.epoch = 0
+        #: per-thread default streams of live host threads (legacy syncs with them)
+        self.blocking: set[SimStream] = set()
+        self.legacy = backend.new_stream(1, self, blocking=True)
+
+    def check_usable(self) -> None:
+        """Raise the fault if a synchronizing call already reported it."""
+        fault = self.fault
+        if self.fault_seen and fault is not None:
+            raise_fault(fault)
+
+    def check_synchronizing(self) -> None:
+        """A synchronizing call sees the fault and makes it stick."""
+        fault = self.fault
+        if fault is not None:
+            self.fault_seen = True
+            raise_fault(fault)
+
+
+_Op = tuple[Any, ...]
+
+
+class SimStream:
+    """One stream: a FIFO of operations and the worker thread that drains it."""
+
+    __slots__ = ("_backend", "_closed", "_cv", "_ops", "_rng", "_running", "_thread",
+                 "blocking", "capture", "device", "handle", "tail")  # fmt: skip
+
+    def __init__(
+        self, backend: SimBackend, handle: int, device: Device, *, blocking: bool, seed: str
+    ) -> None:
+        self.handle = handle
+        self.device = device
+        self.blocking = blocking
+        #: the capture sequence this stream records into, or None
+        self.capture: Capture | None = None
+        #: while capturing: the graph nodes the next captured node depends on
+        self.tail: frozenset[int] = frozenset()
+        self._backend = backend
+        self._ops: deque[_Op] = deque()
+        self._cv = threading.Condition(threading.Lock())
+        self._closed = False
+        self._running = False
+        self._rng = random.Random(seed)
+        self._thread: threading.Thread | None = None
+
+    def push(self, *ops: _Op) -> None:
+        """Append ``ops``; starts the worker on first use (outside the lock)."""
+        with self._cv:
+            if self._closed:
+                raise sim_error(400, f"stream {self.handle:#x} was destroyed")
+            self._ops.extend(ops)
+            thread = self._thread
+            if thread is None:
+                thread = self._thread = threading.Thread(
+                    target=self._run,
+                    name=f"cai-streams-{self._backend.name}-{self.device.ordinal}-{self.handle:#x}",
+                    daemon=True,
+                )
+            else:
+                self._cv.notify()
+                return
+        thread.start()
+
+    def mark_if_busy(self) -> Point | None:
+        """A mark after the work enqueued so far, or None if there is none pending."""
+        with self._cv:
+            if self._closed or (not self._ops and not self._running):
+                return None
+        point = Point()
+        try:
+            self.push(("mark", point))
+        except CudaError:  # destroyed meanwhile: its work still drains, nothing to wait for
+            return None
+        return point
+
+    def close(self) -> None:
+        """Stop taking work; the worker drains what is queued, then ends."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    def join(self, timeout: float) -> None:
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._running = False
+                while not self._ops and not self._closed:
+                    self._cv.wait()
+                if not self._ops:
+                    return
+                op = self._ops.popleft()
+                self._running = True
+            kind = op[0]
+            if kind == "kernel":
+                self._run_kernel(op[1], op[2], op[3], op[4])
+            elif kind == "mark":
+                op[1].done.set()
+            elif kind == "wait":
+                waited: Point = op[1]
+                while not waited.done.wait(0.05):
+                    if self._backend.closing:
+                        return
+            elif kind == "graph":
+                self._run_graph(op[1], op[2])
+            # An idle worker must not keep the last kernel's arrays alive.
+            del op
+
+    def _run_graph(self, graph: GraphExec, epoch: int) -> None:
+        for node in graph.order(self._rng):
+            if node.op[0] == "kernel":
+                _, fn, name, duration = node.op
+                self._run_kernel(fn, name, duration, epoch)
+            else:
+                self._run_graph(node.op[1], epoch)
+
+    def _run_kernel(self, fn: Callable[[], object], name: str, duration: float, epoch: int) -> None:
+        device = self.device
+        if device.fault is not None or epoch != device.epoch:
+            return  # a poisoned (or since reset) device runs nothing more
+        hooks = kernel_hooks
+        start = time.perf_counter() if hooks else 0.0
+        delay = duration
+        jitter = self._backend.jitter
+        if jitter > 0:
+            delay += self._rng.uniform(0.0, jitter)
+        if delay > 0:
+            time.sleep(delay)
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - a kernel failure is data, not a crash
+            if device.fault is None and epoch == device.epoch:
+                device.fault = KernelError(name, self.handle, exc)
+        if hooks:
+            end = time.perf_counter()
+            for hook in hooks:
+                hook(self.handle, name, start, end)
