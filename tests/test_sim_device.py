@@ -302,19 +302,16 @@ def test_per_thread_default_streams_are_reclaimed_with_their_thread() -> None:
     assert (time.perf_counter() - start) / 10 < 0.02  # was 94 ms with 500 leaked streams
 
 
-def test_a_stream_starts_its_worker_on_first_use() -> None:
+def test_a_destroyed_streams_worker_drains_and_ends() -> None:
     backend = sim.device()
-    streams = [cs.Stream() for _ in range(20)]
-    workers = [backend._streams[s.handle]._thread for s in streams]
-    assert workers == [None] * 20
-    sim.launch(streams[0], lambda: None)
-    streams[0].synchronize()
-    worker = backend._streams[streams[0].handle]._thread
+    s = cs.Stream()
+    worker = backend._streams[s.handle]._thread
     assert worker is not None and worker.is_alive()
-    for s in streams:
-        s.close()
+    done: list[int] = []
+    sim.launch(s, lambda: done.append(1), duration=0.01)
+    s.close()
     worker.join(5)
-    assert not worker.is_alive()  # a destroyed stream's worker drains and ends
+    assert not worker.is_alive() and done == [1]
 
 
 def test_destroyed_handles_are_handed_out_again() -> None:

@@ -159,7 +159,7 @@ class SimBackend(Backend):
         self._devices = [Device(self, i) for i in range(sim_devices())]
 
     def new_stream(self, handle: int, device: Device, *, blocking: bool) -> SimStream:
-        """A stream object (its worker starts on first use, not here)."""
+        """A stream object; its worker starts on ``start()`` or its first push."""
         seed = f"{self.seed}:{next(self._ordinals)}"
         return SimStream(self, handle, device, blocking=blocking, seed=seed)
 
@@ -228,6 +228,7 @@ class SimBackend(Backend):
         if stream is None:
             device = self._devices[state.device]
             stream = self.new_stream(2, device, blocking=True)
+            stream.start()
             if not state.ptds:
                 reclaim = weakref.finalize(state, _reclaim, state.ptds)
                 reclaim.atexit = False  # close() stops every stream at exit
@@ -272,7 +273,10 @@ class SimBackend(Backend):
         dev.check_usable()
         with self._lock:
             handle = self._handles.take("stream")
-            self._streams[handle] = self.new_stream(handle, dev, blocking=False)
+        stream = self.new_stream(handle, dev, blocking=False)
+        stream.start()  # holding no lock
+        with self._lock:
+            self._streams[handle] = stream
         return handle
 
     def destroy_stream(self, stream: int) -> None:

@@ -1,11 +1,12 @@
 """The simulated device's streams and devices: FIFOs drained by worker threads.
 
-A stream is a FIFO of operations and a worker thread, started on first use,
-that runs them one at a time: kernels (Python callables, after their duration
-and a seeded jitter), marks (a point later work or the host can wait for),
-waits (block this worker until another stream's mark is reached) and graph
-replays. A device holds its legacy stream, the blocking per-thread default
-streams of live host threads, and its sticky fault.
+A stream is a FIFO of operations and a worker thread (started when the
+stream is made; a device's legacy stream's on first use) that runs them one at
+a time: kernels (Python callables, after their duration and a seeded jitter),
+marks (a point later work or the host can wait for), waits (block this worker
+until another stream's mark is reached) and graph replays. A device holds its
+legacy stream, the blocking per-thread default streams of live host threads,
+and its sticky fault.
 """
 
 from __future__ import annotations
@@ -121,20 +122,33 @@ class SimStream:
         self._rng = random.Random(seed)
         self._thread: threading.Thread | None = None
 
+    def start(self) -> None:
+        """Start the worker now (call it holding no lock), not at the first push:
+        starting a thread takes the host a while, and the first kernel's
+        caller should not pay for it."""
+        with self._cv:
+            thread = self._new_worker()
+        if thread is not None:
+            thread.start()
+
+    def _new_worker(self) -> threading.Thread | None:
+        if self._thread is not None:
+            return None
+        self._thread = threading.Thread(
+            target=self._run,
+            name=f"cai-streams-{self._backend.name}-{self.device.ordinal}-{self.handle:#x}",
+            daemon=True,
+        )
+        return self._thread
+
     def push(self, *ops: _Op) -> None:
-        """Append ``ops``; starts the worker on first use (outside the lock)."""
+        """Append ``ops``; starts the worker if it was not (outside the lock)."""
         with self._cv:
             if self._closed:
                 raise sim_error(400, f"stream {self.handle:#x} was destroyed")
             self._ops.extend(ops)
-            thread = self._thread
+            thread = self._new_worker()
             if thread is None:
-                thread = self._thread = threading.Thread(
-                    target=self._run,
-                    name=f"cai-streams-{self._backend.name}-{self.device.ordinal}-{self.handle:#x}",
-                    daemon=True,
-                )
-            else:
                 self._cv.notify()
                 return
         thread.start()
