@@ -42,7 +42,31 @@ class _Segment:
         self.raw = raw  # owned by the pool: kernels' views keep it, never the arrays
         self.size = int(raw.size)
         self.nbytes = 0  # of the allocation now using it
-        self.live: weakref.ref[Buffer] | None = None
+        self.live: _Live | None = None
+
+
+def _collected(ref: weakref.ref[Buffer]) -> None:
+    # No lock here: this runs in whatever collection frees the array. The
+    # block is free from now on (the sanitizer forgets it now); the next
+    # allocation or lookup files it in its pool.
+    assert isinstance(ref, _Live)
+    segment = ref.segment
+    ref.released.append(segment)
+    for hook in free_hooks:
+        hook(segment.ptr, segment.ptr + segment.size)
+
+
+class _Live(weakref.ref[Buffer]):
+    """The allocation's arrays, weakly; one object per allocation, no closure."""
+
+    __slots__ = ("released", "segment")
+
+    def __new__(cls, block: Buffer, segment: _Segment, released: deque[_Segment]) -> _Live:
+        return super().__new__(cls, block, _collected)
+
+    def __init__(self, block: Buffer, segment: _Segment, released: deque[_Segment]) -> None:
+        self.segment = segment
+        self.released = released
 
 
 class Memory:
@@ -81,19 +105,8 @@ class Memory:
         # The array's base is a memoryview, so numpy stops collapsing views at
         # `block`: it lives exactly as long as some array over this allocation.
         block: Buffer = np.frombuffer(segment.raw.data[:nbytes], dtype=np.uint8)
-        released = self._released
-        freed = segment
-
-        def collected(_ref: weakref.ref[Buffer]) -> None:
-            # No lock here: this runs in whatever collection frees the array.
-            # The block is free from now on (the sanitizer forgets it now);
-            # the next allocation or lookup files it in its pool.
-            released.append(freed)
-            for hook in free_hooks:
-                hook(freed.ptr, freed.ptr + freed.size)
-
         segment.nbytes = nbytes
-        segment.live = weakref.ref(block, collected)
+        segment.live = _Live(block, segment, self._released)
         return segment.ptr, block
 
     def drain(self) -> None:
