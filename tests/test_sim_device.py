@@ -166,13 +166,16 @@ def test_a_fault_stays_on_its_device() -> None:
     backend = sim.device()
     other = cs.Stream.wrap(backend.create_stream(device=1))
     try:
-        ops.fail(cs.Stream())
+        failing = cs.Stream()
+        ops.fail(failing)
+        with pytest.raises(cs.KernelError):
+            failing.synchronize()
         x = sim.asarray(np.zeros(2, np.float32), device=1)
         ops.fill(other, x, 3.0)
         other.synchronize()  # device 1 is not poisoned by device 0's fault
         np.testing.assert_array_equal(ops.to_host(x), 3.0)
         with pytest.raises(cs.KernelError):
-            cs.Stream.wrap(1).synchronize()
+            cs.Stream.wrap(1).synchronize()  # device 0 still is
     finally:
         backend.destroy_stream(other.handle)
         sim.reset(0)

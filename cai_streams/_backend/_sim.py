@@ -33,13 +33,9 @@ What else real CUDA does to programs that get it wrong, modelled here:
   query, for any stream or event of the device) raises :class:`KernelError`,
   and so does every call on the device after it, until ``sim.reset()``.
   Kernels enqueued on a poisoned device never run; marks and waits still
-  complete, so nothing hangs.
-* Graph capture (see ``_sim_graph``): work enqueued on a capturing stream is
-  recorded, not run; capture modes, the calls capture forbids and what they
-  invalidate follow the driver (probed on an H100, CUDA 13).
-* A caching allocator per device (see ``_sim_memory``).
-
-Memory is host RAM with real, 256-byte aligned pointers.
+  complete, so nothing hangs. Destroying a stream or event still works.
+* Graph capture, as the driver does it (``_sim_capture``).
+* A caching allocator per device (``_sim_memory``).
 """
 
 from __future__ import annotations
@@ -56,9 +52,9 @@ from typing import Any, Final
 import numpy as np
 
 from . import CAPTURE_MODES, Backend, CaptureMode, CaptureStatus
-from ._sim_graph import Capture, Graph, GraphExec
+from ._sim_capture import CaptureRules
 from ._sim_memory import Memory, free_hooks
-from ._sim_stream import Device, Point, SimStream, kernel_hooks, sim_error
+from ._sim_stream import Device, Handles, Point, SimEvent, SimStream, kernel_hooks, sim_error
 
 __all__ = ["DecoyBackend", "SimBackend", "free_hooks", "kernel_hooks"]
 
@@ -92,32 +88,6 @@ def _check_mode(mode: object) -> None:
         raise ValueError(f"capture mode must be one of {', '.join(CAPTURE_MODES)}, got {mode!r}")
 
 
-class _Event:
-    __slots__ = ("captured", "deps", "device", "point")
-
-    def __init__(self, device: int) -> None:
-        self.device = device
-        self.point: Point | None = None  # the latest record outside a capture
-        self.captured: Capture | None = None  # the latest record was in this capture
-        self.deps: frozenset[int] = frozenset()  # ... after these nodes
-
-
-class _Handles:
-    """Handle values: fresh ones from one counter; a released one is handed
-    out again by the next take of its kind (last released, first reused)."""
-
-    def __init__(self, first: int) -> None:
-        self._fresh = itertools.count(first, 0x200)
-        self._released: dict[str, list[int]] = {}
-
-    def take(self, kind: str) -> int:
-        released = self._released.get(kind)
-        return released.pop() if released else next(self._fresh)
-
-    def release(self, kind: str, handle: int) -> None:
-        self._released.setdefault(kind, []).append(handle)
-
-
 class SimBackend(Backend):
     """Faithful simulated CUDA devices (see the module docstring for the rules)."""
 
@@ -147,15 +117,12 @@ class SimBackend(Backend):
         # Re-entrant: Stream/Event destructors call back into the backend and can
         # run from a garbage collection on a thread that already holds the lock.
         self._lock = threading.RLock()
-        self._handles = _Handles(self.first_handle)
+        self._handles = Handles(self.first_handle)
+        self._captures = CaptureRules(self._lock, self._handles)
         self._ordinals = itertools.count()
         self._local = threading.local()
         self._streams: dict[int, SimStream] = {}
-        self._events: dict[int, _Event] = {}
-        self._graphs: dict[int, Graph] = {}
-        self._graph_execs: dict[int, GraphExec] = {}
-        #: capture sequences begun and not yet ended
-        self._captures: set[Capture] = set()
+        self._events: dict[int, SimEvent] = {}
         self._devices = [Device(self, i) for i in range(sim_devices())]
 
     def new_stream(self, handle: int, device: Device, *, blocking: bool) -> SimStream:
@@ -199,7 +166,7 @@ class SimBackend(Backend):
 
     def allocate(self, nbytes: int, device: int | None = None) -> tuple[int, np.ndarray[Any, Any]]:
         """Device memory from ``device``'s pool (cudaMalloc when the pool has no
-        block of that size: refused during a capture that forbids it)."""
+        block of that size: refused during a capture that forbids it). Does not block."""
         dev = self._device(device)
         dev.check_usable()
         return self.memory.allocate(nbytes, dev.ordinal, lambda: self._check_unsafe("cudaMalloc"))
@@ -211,14 +178,16 @@ class SimBackend(Backend):
         released. Streams, events, graphs and live arrays stay valid (CUDA
         destroys them). Does not block."""
         dev = self._device(device)
+        self._captures.end_all(dev.ordinal)
         with self._lock:
-            for capture in [c for c in self._captures if c.device == dev.ordinal]:
-                capture.invalidated = True
-                self._end(capture)
             dev.fault = None
             dev.fault_seen = False
             dev.epoch += 1
         self.memory.release_cached(dev.ordinal)
+
+    def _check_unsafe(self, call: str) -> None:
+        if self._captures.active:
+            self._captures.check_unsafe(call, self._state().capture_mode)
 
     # -- streams ---------------------------------------------------------------
 
@@ -252,12 +221,11 @@ class SimBackend(Backend):
         device = stream.device
         device.check_usable()
         if stream.capture is not None:
-            self._record_in_capture(stream, ops)
+            self._captures.record_ops(stream, ops)
             return
         legacy = device.legacy
-        if self._captures and stream is legacy:
-            self._check_legacy(device)
         if stream is legacy:
+            self._captures.check_legacy(device)
             for other in list(device.blocking):
                 point = other.mark_if_busy()
                 if point is not None:
@@ -301,12 +269,7 @@ class SimBackend(Backend):
     def synchronize_stream(self, stream: int) -> None:
         target = self._resolve(stream)
         device = target.device
-        capture = target.capture
-        if capture is not None:
-            self._invalidate([capture])
-            raise sim_error(900, f"cannot synchronize stream {stream:#x}: it is capturing")
-        if self._captures and target is device.legacy:
-            self._check_legacy(device)
+        self._captures.check_sync(target)
         self._check_unsafe("cudaStreamSynchronize")
         device.check_synchronizing()
         point = Point()
@@ -326,7 +289,7 @@ class SimBackend(Backend):
         dev.check_usable()
         with self._lock:
             handle = self._handles.take("event")
-            self._events[handle] = _Event(dev.ordinal)
+            self._events[handle] = SimEvent(dev.ordinal)
         return handle
 
     def destroy_event(self, event: int) -> None:
@@ -335,7 +298,7 @@ class SimBackend(Backend):
                 raise sim_error(400, f"no simulated event has handle {event:#x}")
             self._handles.release("event", event)
 
-    def _event(self, event: int) -> _Event:
+    def _event(self, event: int) -> SimEvent:
         found = self._events.get(event)
         if found is None:
             raise sim_error(400, f"no simulated event has handle {event:#x}")
@@ -352,29 +315,16 @@ class SimBackend(Backend):
                 f"is on device {device.ordinal}",
             )
         device.check_usable()
-        capture = target.capture
-        if capture is not None:
-            with self._lock:
-                if capture.invalidated:
-                    raise sim_error(901, "the capture was invalidated by an earlier error")
-                ev.captured, ev.deps, ev.point = capture, target.tail, None
+        if target.capture is not None:
+            self._captures.record_event(ev, target)
             return
         point = Point()
         self._enqueue(target, ("mark", point))
         ev.captured, ev.point = None, point
 
-    def _check_captured(self, ev: _Event, call: str) -> None:
-        capture = ev.captured
-        if capture is None:
-            return
-        if capture.ended:
-            raise sim_error(1, f"{call}: the event was last recorded in a capture that has ended")
-        self._invalidate([capture])
-        raise sim_error(907, f"{call}: the event was last recorded in a capturing stream")
-
     def query(self, event: int) -> bool:
         ev = self._event(event)
-        self._check_captured(ev, "cudaEventQuery")
+        self._captures.check_event(ev, "cudaEventQuery")
         self._check_unsafe("cudaEventQuery")
         self._devices[ev.device].check_synchronizing()
         point = ev.point
@@ -382,7 +332,7 @@ class SimBackend(Backend):
 
     def synchronize_event(self, event: int) -> None:
         ev = self._event(event)
-        self._check_captured(ev, "cudaEventSynchronize")
+        self._captures.check_event(ev, "cudaEventSynchronize")
         self._check_unsafe("cudaEventSynchronize")
         device = self._devices[ev.device]
         device.check_synchronizing()
@@ -396,157 +346,27 @@ class SimBackend(Backend):
         target = self._resolve(stream)
         target.device.check_usable()
         if ev.captured is not None or target.capture is not None:
-            self._wait_in_capture(target, ev)
+            self._captures.wait(target, ev)
             return
         point = ev.point
         if point is not None:
             self._enqueue(target, ("wait", point))
-        elif self._captures and target is target.device.legacy:
-            self._check_legacy(target.device)
+        elif target is target.device.legacy:
+            self._captures.check_legacy(target.device)
 
     # -- graph capture -----------------------------------------------------------
-
-    def _invalidate(self, captures: list[Capture]) -> None:
-        with self._lock:
-            for capture in captures:
-                capture.invalidated = True
-
-    def _end(self, capture: Capture) -> None:
-        capture.ended = True
-        self._captures.discard(capture)
-        for stream in capture.streams:
-            stream.capture = None
-            stream.tail = frozenset()
-
-    def _check_unsafe(self, call: str) -> None:
-        """A potentially unsafe call (a host sync, a query, cudaMalloc) while a
-        capture forbids it: the call fails and invalidates that capture."""
-        if not self._captures:
-            return
-        mode = self._state().capture_mode
-        if mode == "relaxed":
-            return
-        me = threading.get_ident()
-        with self._lock:
-            hit = [
-                c
-                for c in self._captures
-                if c.mode != "relaxed" and (c.thread == me or (mode == "global" == c.mode))
-            ]
-            for capture in hit:
-                capture.invalidated = True
-        if hit:
-            whose = "this thread's" if any(c.thread == me for c in hit) else "another thread's"
-            raise sim_error(
-                900,
-                f"{call} is not permitted during {whose} {hit[0].mode!r} capture "
-                f"(this thread's capture mode is {mode!r})",
-            )
-
-    def _check_legacy(self, device: Device) -> None:
-        """Using the legacy stream while a blocking stream of its device captures."""
-        with self._lock:
-            hit = [
-                c
-                for c in self._captures
-                if c.device == device.ordinal and any(s.blocking for s in c.streams)
-            ]
-            for capture in hit:
-                capture.invalidated = True
-        if hit:
-            raise sim_error(
-                906, f"the legacy stream of device {device.ordinal} would depend on a capture"
-            )
-
-    def _record_in_capture(self, stream: SimStream, ops: tuple[_Op, ...]) -> None:
-        with self._lock:
-            capture = stream.capture
-            if capture is None:  # ended meanwhile (relaxed mode, another thread)
-                raise sim_error(401, f"stream {stream.handle:#x} stopped capturing meanwhile")
-            if capture.invalidated:
-                raise sim_error(901, "the capture was invalidated by an earlier error")
-            for op in ops:
-                if op[0] == "kernel":
-                    capture.add(stream, op[:4])
-                elif op[0] == "graph":
-                    capture.add(stream, op[:2])
-
-    def _wait_in_capture(self, stream: SimStream, ev: _Event) -> None:
-        with self._lock:
-            theirs, mine = ev.captured, stream.capture
-            if theirs is None:
-                assert mine is not None
-                if mine.invalidated:
-                    raise sim_error(901, "the capture was invalidated by an earlier error")
-                if ev.point is None:
-                    return  # a never-recorded event: a no-op, as outside a capture
-                mine.invalidated = True
-                raise sim_error(905, "a capturing stream cannot wait on an event recorded outside")
-            if theirs.ended:
-                raise sim_error(1, "the event was last recorded in a capture that has ended")
-            if theirs.invalidated:
-                raise sim_error(901, "the capture was invalidated by an earlier error")
-            if mine is theirs:
-                stream.tail = stream.tail | ev.deps
-            elif mine is not None:
-                mine.invalidated = theirs.invalidated = True
-                raise sim_error(902, "waiting would merge two capture sequences")
-            elif stream is stream.device.legacy:
-                theirs.invalidated = True
-                raise sim_error(900, "the legacy stream cannot join a capture")
-            else:  # the stream forks into the capture
-                stream.capture, stream.tail = theirs, ev.deps
-                theirs.streams.add(stream)
 
     def begin_capture(self, stream: int, mode: CaptureMode) -> None:
         _check_mode(mode)
         target = self._resolve(stream)
         target.device.check_usable()
-        if target is target.device.legacy:
-            raise sim_error(900, "the legacy stream cannot be captured")
-        with self._lock:
-            if target.capture is not None:
-                raise sim_error(401, f"stream {stream:#x} is already capturing")
-            capture = Capture(target, mode, threading.get_ident())
-            target.capture, target.tail = capture, frozenset()
-            self._captures.add(capture)
+        self._captures.begin(target, mode)
 
     def end_capture(self, stream: int) -> int:
-        target = self._resolve(stream)
-        with self._lock:
-            capture = target.capture
-            if capture is None:
-                raise sim_error(401, f"stream {stream:#x} is not capturing")
-            if capture.origin is not target:
-                capture.invalidated = True
-                raise sim_error(903, "end the capture on the stream that began it")
-            if capture.mode != "relaxed" and capture.thread != threading.get_ident():
-                self._end(capture)
-                raise sim_error(908, f"a {capture.mode!r} capture ends in the thread that began it")
-            unjoined = capture.unjoined()
-            self._end(capture)
-            if capture.invalidated:
-                raise sim_error(901, "the capture was invalidated by an earlier error")
-            if unjoined:
-                raise sim_error(904, "a stream forked into the capture was never joined back")
-            handle = self._handles.take("graph")
-            self._graphs[handle] = Graph(capture.device, tuple(capture.nodes))
-        return handle
+        return self._captures.end(self._resolve(stream))
 
     def capture_status(self, stream: int) -> CaptureStatus:
-        target = self._resolve(stream)
-        if target is target.device.legacy:
-            with self._lock:
-                if any(
-                    c.device == target.device.ordinal and any(s.blocking for s in c.streams)
-                    for c in self._captures
-                ):
-                    raise sim_error(906, "the legacy stream would depend on a capture")
-            return "none"
-        capture = target.capture
-        if capture is None:
-            return "none"
-        return "invalidated" if capture.invalidated else "active"
+        return self._captures.status(self._resolve(stream))
 
     def exchange_capture_mode(self, mode: CaptureMode) -> CaptureMode:
         _check_mode(mode)
@@ -555,27 +375,19 @@ class SimBackend(Backend):
         return previous
 
     def instantiate_graph(self, graph: int) -> int:
-        found = self._graphs.get(graph)
-        if found is None:
-            raise sim_error(400, f"no simulated graph has handle {graph:#x}")
-        with self._lock:
-            handle = self._handles.take("graph_exec")
-            self._graph_execs[handle] = GraphExec(found)
-        return handle
+        return self._captures.instantiate(graph)
 
     def launch_graph(self, graph_exec: int, stream: int) -> None:
-        found = self._graph_execs.get(graph_exec)
-        if found is None:
-            raise sim_error(400, f"no simulated executable graph has handle {graph_exec:#x}")
+        found = self._captures.executable(graph_exec)
         target = self._resolve(stream)
         device = target.device
         if device.ordinal != found.device:
             raise sim_error(400, f"the graph belongs to device {found.device}")
-        if target.capture is not None:
+        if target.capture is not None:  # a graph launched into a capture: a child graph
             self._enqueue(target, ("graph", found, device.epoch))
             return
         done = Point()
-        last = found.last
+        last = found.last  # launches of one graph run one at a time
         if last is not None and not last.done.is_set():
             self._enqueue(target, ("wait", last), ("graph", found, device.epoch), ("mark", done))
         else:
@@ -583,16 +395,10 @@ class SimBackend(Backend):
         found.last = done
 
     def destroy_graph(self, graph: int) -> None:
-        with self._lock:
-            if self._graphs.pop(graph, None) is None:
-                raise sim_error(400, f"no simulated graph has handle {graph:#x}")
-            self._handles.release("graph", graph)
+        self._captures.destroy(graph)
 
     def destroy_graph_exec(self, graph_exec: int) -> None:
-        with self._lock:
-            if self._graph_execs.pop(graph_exec, None) is None:
-                raise sim_error(400, f"no simulated executable graph has handle {graph_exec:#x}")
-            self._handles.release("graph_exec", graph_exec)
+        self._captures.destroy_executable(graph_exec)
 
     def close(self) -> None:
         """Stop every worker after it drains its FIFO (bounded wait)."""

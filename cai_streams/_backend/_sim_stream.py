@@ -1,4 +1,4 @@
-"""The simulated device's streams and devices: FIFOs drained by worker threads.
+"""The simulated device's objects: devices, streams, events, handles.
 
 A stream is a FIFO of operations and a worker thread (started when the
 stream is made; a device's legacy stream's on first use) that runs them one at
@@ -11,6 +11,7 @@ and its sticky fault.
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from ._sim import SimBackend
     from ._sim_graph import Capture, GraphExec
 
-__all__ = ["Device", "Point", "SimStream", "kernel_hooks", "sim_error"]
+__all__ = ["Device", "Handles", "Point", "SimEvent", "SimStream", "kernel_hooks", "sim_error"]
 
 #: called on the stream's worker with (stream, kernel name, start, end) in
 #: ``time.perf_counter()`` seconds after every kernel (the tracer records it)
@@ -64,6 +65,35 @@ class Point:
 
     def __init__(self) -> None:
         self.done = threading.Event()
+
+
+class SimEvent:
+    """An event: its device and its latest record, in a capture or not."""
+
+    __slots__ = ("captured", "deps", "device", "point")
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.point: Point | None = None  # the latest record outside a capture
+        self.captured: Capture | None = None  # the latest record was in this capture
+        self.deps: frozenset[int] = frozenset()  # ... after these graph nodes
+
+
+class Handles:
+    """Handle values: fresh ones from one counter; a released one is handed
+    out again by the next take of its kind (last released, first reused), as
+    CUDA recycles the addresses of destroyed objects."""
+
+    def __init__(self, first: int) -> None:
+        self._fresh = itertools.count(first, 0x200)
+        self._released: dict[str, list[int]] = {}
+
+    def take(self, kind: str) -> int:
+        released = self._released.get(kind)
+        return released.pop() if released else next(self._fresh)
+
+    def release(self, kind: str, handle: int) -> None:
+        self._released.setdefault(kind, []).append(handle)
 
 
 class Device:
