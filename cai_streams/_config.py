@@ -9,6 +9,9 @@ owns all synchronization. Both are on by default, as the spec requires.
 backend is the simulator: the default backend is then a decoy simulator whose
 streams ``sim.launch`` refuses, as it refuses cuda streams on a GPU machine.
 Read when the default backend is chosen (:func:`sim_decoy`). Off by default.
+
+``CAI_STREAMS_SIM_DEVICES=N``: how many devices the simulator has (default 2,
+at least 1). Read when the simulator starts (:func:`sim_devices`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 
 from ._poller import PollPolicy, set_poll_policy
 
-__all__ = ["configure", "settings", "sim_decoy"]
+__all__ = ["configure", "settings", "sim_decoy", "sim_devices"]
 
 
 def _flag(name: str, default: bool = True) -> bool:
@@ -45,6 +48,20 @@ settings = _Settings()
 def sim_decoy() -> bool:
     """Whether ``CAI_STREAMS_SIM_DECOY`` asks for the decoy default backend."""
     return _flag("CAI_STREAMS_SIM_DECOY", default=False)
+
+
+def sim_devices() -> int:
+    """How many devices the simulator has: ``CAI_STREAMS_SIM_DEVICES``, default 2."""
+    value = os.environ.get("CAI_STREAMS_SIM_DEVICES", "").strip()
+    if value == "":
+        return 2
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"CAI_STREAMS_SIM_DEVICES={value!r}: expected a whole number >= 1")
+    return count
 
 
 def configure(

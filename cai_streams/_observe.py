@@ -1,7 +1,7 @@
 """Watching a backend's ordering calls: the sanitizer and the tracer use this.
 
 While at least one :class:`Observer` is registered, every backend carries
-instance attributes that shadow its record, wait, query, synchronize, destroy
+instance attributes that shadow its record, wait, query, query_stream, synchronize, destroy
 and launch methods, call the real method, and tell each observer. With none
 registered the attributes are gone and nothing is paid.
 """
@@ -112,6 +112,16 @@ def _wrap(backend: Backend) -> None:
         for o, token in tokens:
             o.stream_synced(backend, stream, token)
 
+    def query_stream(stream: int) -> bool:
+        # a stream that says "all done" orders the caller after its work so far,
+        # as a synchronize would (the clock is taken before the query)
+        tokens = [(o, o.before_stream_sync(backend, stream)) for o in _observers]
+        done = cls.query_stream(backend, stream)
+        if done:
+            for o, token in tokens:
+                o.stream_synced(backend, stream, token)
+        return done
+
     def destroy_event(event: int) -> None:
         cls.destroy_event(backend, event)
         for o in _observers:
@@ -123,6 +133,7 @@ def _wrap(backend: Backend) -> None:
         "query": query,
         "synchronize_event": synchronize_event,
         "synchronize_stream": synchronize_stream,
+        "query_stream": query_stream,
         "destroy_event": destroy_event,
     }
     real_launch = getattr(cls, "launch", None)

@@ -1,9 +1,13 @@
-"""The simulated device's public face: device arrays and kernel launches.
+"""The simulated devices' public face: device arrays, kernel launches, reset.
 
-Memory lives in host RAM at real, 256-byte aligned addresses. Kernels are
-Python callables that run on a stream's worker thread, in stream order, over
-zero-copy numpy views of device memory. See ``cai_streams._backend._sim`` for
-the ordering rules the device follows and its error rule.
+Memory lives in host RAM at real, 256-byte aligned addresses, handed out by a
+caching allocator per device (a freed block goes to the next allocation of its
+size at once, as in CuPy's and PyTorch's pools). Kernels are Python callables
+that run on a stream's worker thread, in stream order, over zero-copy numpy
+views of device memory; like a GPU kernel, a pending kernel holds a pointer, not
+the arrays, so it sees whatever lives there when it runs. See
+``cai_streams._backend._sim`` for the rules the devices follow (ordering,
+devices, sticky faults, graph capture, handle reuse).
 
 Timing: every kernel sleeps its ``duration`` plus a random jitter drawn from a
 per-stream sequence seeded by ``CAI_STREAMS_SIM_SEED`` (random when unset; read
@@ -27,14 +31,36 @@ from ._backend._sim import SimBackend
 from ._interface import ArrayView, byte_range, extent, parse
 from ._stream import Stream, stream_handle_of
 
-__all__ = ["SimArray", "asarray", "device", "empty", "launch", "simulated"]
+__all__ = ["SimArray", "asarray", "device", "empty", "launch", "reset", "simulated"]
 
 
-def device() -> SimBackend:
-    """The simulated device (it exists whatever the current backend is)."""
+def _simulator() -> SimBackend:
     backend = _instance("sim")
     assert isinstance(backend, SimBackend)
     return backend
+
+
+def device() -> SimBackend:
+    """The simulator backend, all its devices (it exists whatever the current
+    backend is): ``device().seed``, ``device().jitter``. Does not block."""
+    return _simulator()
+
+
+def reset(device: int | None = None) -> None:
+    """Reset a simulated device (None: this thread's current one), as
+    ``cudaDeviceReset`` does, as far as the simulator models it:
+
+    * its sticky fault is cleared, so calls on it work again;
+    * kernels enqueued on it before the reset never run (marks and waits still
+      complete, so nothing waits forever);
+    * captures under way on its streams end, invalidated;
+    * the free blocks cached by its memory pool are released.
+
+    Unlike CUDA, streams, events, graphs and arrays made before the reset stay
+    valid (CUDA destroys them all), so objects a library keeps across a reset
+    keep working. Does not block.
+    """
+    _simulator().reset(device)
 
 
 class SimArray:
@@ -44,13 +70,21 @@ class SimArray:
     which it exports as the CAI ``stream`` entry.
     """
 
-    __slots__ = ("__weakref__", "_view", "stream")
+    __slots__ = ("__weakref__", "_device", "_view", "stream")
 
-    def __init__(self, view: np.ndarray[Any, Any], stream: int | None = None) -> None:
+    def __init__(
+        self, view: np.ndarray[Any, Any], stream: int | None = None, *, device: int = 0
+    ) -> None:
         """Wrap a numpy view of device memory (use :func:`empty` or :func:`asarray`)."""
         self._view = view
+        self._device = device
         #: the stream exported in the CAI ``stream`` entry, or None
         self.stream = stream
+
+    @property
+    def device(self) -> int:
+        """The simulated device whose memory holds the array."""
+        return self._device
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -89,7 +123,7 @@ class SimArray:
         """A view of part of this array, sharing its memory (no device work)."""
         index = key if isinstance(key, tuple) else (key,)
         sub: np.ndarray[Any, Any] = self._view[index + (Ellipsis,)]  # always a view
-        return SimArray(sub, self.stream)
+        return SimArray(sub, self.stream, device=self._device)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -104,10 +138,10 @@ class SimArray:
         }
 
     def to_host(self, stream: Stream | int | None = None) -> np.ndarray[Any, Any]:
-        """Copy to a new numpy array: enqueued on ``stream`` (the legacy default
-        stream when None, like ``cudaMemcpy``), then waited for. Blocks.
+        """Copy to a new numpy array: enqueued on ``stream`` (the current device's
+        legacy default stream when None, like ``cudaMemcpy``), then waited for. Blocks.
         """
-        backend = device()
+        backend = _simulator()
         handle = 1 if stream is None else _simulated_stream(stream, backend)
         out = np.empty(self.shape, self.dtype)
         src = self._view
@@ -124,11 +158,18 @@ class SimArray:
         return out
 
     def __repr__(self) -> str:
-        return f"<SimArray shape={self.shape} dtype={self.dtype} ptr={self.ptr:#x}>"
+        return (
+            f"<SimArray shape={self.shape} dtype={self.dtype} ptr={self.ptr:#x} "
+            f"device={self._device}>"
+        )
 
 
-def empty(shape: int | Iterable[int], dtype: DTypeLike = "float32") -> SimArray:
-    """A new device array; its contents are undefined, as in CUDA. Does not block."""
+def empty(
+    shape: int | Iterable[int], dtype: DTypeLike = "float32", device: int | None = None
+) -> SimArray:
+    """A new array on ``device`` (None: this thread's current device), from
+    that device's memory pool; its contents are undefined, as in CUDA.
+    Does not block."""
     if isinstance(shape, int):
         shape_t: tuple[object, ...] = (shape,)
     elif isinstance(shape, Iterable):
@@ -141,19 +182,25 @@ def empty(shape: int | Iterable[int], dtype: DTypeLike = "float32") -> SimArray:
     dims = tuple(int(n) for n in shape_t)  # type: ignore[call-overload]
     dt = np.dtype(dtype)
     nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
-    _, block = device().memory.allocate(nbytes)
+    backend = _simulator()
+    ordinal = backend.current_device() if device is None else device
+    _, block = backend.allocate(nbytes, ordinal)
     view = block.view(dt).reshape(dims) if nbytes else np.empty(dims, dt)
     # Undefined contents: fill with a pattern so code that reads before writing
-    # sees garbage, as it would on a GPU, rather than convenient zeros.
+    # sees garbage, as it would on a GPU, rather than convenient zeros. (A block
+    # from the pool holds whatever its last owner left, as on a GPU.)
     if nbytes:
         block[:] = 0xCD
-    return SimArray(view)
+    return SimArray(view, device=ordinal)
 
 
-def asarray(array: ArrayLike, dtype: DTypeLike | None = None) -> SimArray:
-    """Copy host data to a new device array. Blocks until the data is there."""
+def asarray(
+    array: ArrayLike, dtype: DTypeLike | None = None, device: int | None = None
+) -> SimArray:
+    """Copy host data to a new array on ``device`` (None: this thread's current
+    device). Blocks until the data is there."""
     host = np.asarray(array, dtype=dtype)
-    out = empty(host.shape, host.dtype)
+    out = empty(host.shape, host.dtype, device)
     np.copyto(out._view, host)
     return out
 
@@ -172,21 +219,32 @@ def _interface_of(obj: object) -> ArrayView | None:
 
 
 def _numpy_view(obj: object) -> np.ndarray[Any, Any] | None:
-    """The numpy view of device memory behind ``obj``, or None if not an array."""
+    """The numpy view of device memory behind ``obj``, or None if not an array.
+
+    Like a device pointer, it does not keep ``obj`` (or any owner) alive: once
+    the owner is collected, its block may belong to the next allocation.
+    """
     if isinstance(obj, SimArray):
-        return obj._view
-    view = _interface_of(obj)
-    if view is None:
-        return None
-    if view.nbytes == 0:
-        return np.empty(view.shape, view.dtype)
-    low, high = byte_range(view)
-    found = device().memory.find(low, high - low)
+        v = obj._view
+        if v.size == 0:
+            return np.empty(v.shape, v.dtype)
+        ptr = int(v.ctypes.data)
+        low, high = extent(ptr, v.shape, v.strides, v.itemsize)
+        shape, dtype, strides = v.shape, v.dtype, v.strides
+    else:
+        view = _interface_of(obj)
+        if view is None:
+            return None
+        if view.nbytes == 0:
+            return np.empty(view.shape, view.dtype)
+        low, high = byte_range(view)
+        ptr, shape, dtype, strides = view.ptr, view.shape, view.dtype, view.strides
+    found = _simulator().memory.find(low, high - low)
     if found is None:
-        raise ValueError(f"{type(obj).__name__} at {view.ptr:#x} is not in simulated device memory")
+        raise ValueError(f"{type(obj).__name__} at {ptr:#x} is not in simulated device memory")
     block, offset = found
     out: np.ndarray[Any, Any] = np.ndarray(
-        view.shape, view.dtype, buffer=block, offset=offset + view.ptr - low, strides=view.strides
+        shape, dtype, buffer=block, offset=offset + ptr - low, strides=strides
     )
     return out
 
@@ -214,7 +272,7 @@ def launch(
         raise TypeError(f"launch() needs a callable kernel, got {type(fn).__name__}")
     if duration is not None and not duration >= 0:
         raise ValueError(f"duration must be a non-negative number of seconds, got {duration}")
-    backend = device()
+    backend = _simulator()
     handle = _simulated_stream(stream, backend)
     resolved = tuple(_kernel_arg(a) for a in args)
     reads, writes = tuple(reads), tuple(writes)
@@ -281,7 +339,7 @@ def simulated(
     if jitter is not None and not jitter >= 0:
         raise ValueError(f"jitter must be a non-negative number of seconds, got {jitter!r}")
     previous = _backend._current
-    sim_device = device()
+    sim_device = _simulator()
     saved = (sim_device.jitter, sim_device.seed)
     _backend.use_backend("sim")
     if jitter is not None:

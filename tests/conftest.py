@@ -56,6 +56,21 @@ def _default_backend() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _no_sticky_fault_leaks() -> Iterator[None]:
+    """A kernel that raised poisons its simulated device until ``sim.reset()``, as
+    a device-side fault does on a GPU: a test that faults a device on purpose must
+    not fail every later test, so each faulted device is reset after the test."""
+    yield
+    from cai_streams._backend._sim import SimBackend
+
+    for backend in list(_backend._instances.values()):
+        if isinstance(backend, SimBackend):
+            for device in backend._devices:
+                if device.fault is not None:
+                    backend.reset(device.ordinal)
+
+
+@pytest.fixture(autouse=True)
 def _sanitized() -> Iterator[None]:
     """The project's own tests run with the sanitizer on, each from a clean slate.
     A test that races on purpose says so with ``with cs.sanitize(False):``."""

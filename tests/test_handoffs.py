@@ -561,32 +561,10 @@ async def test_a_task_waits_for_another_tasks_block_held_across_an_await(
 
 
 @pytest.fixture
-def stream_query(sim_backend: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def stream_query(sim_backend: Any) -> None:
     """The simulated device answers ``query_stream`` (cudaStreamQuery), which the
-    library uses when a backend has it. Stands in for the backend method
-    until the simulator has it: a marker after each enqueued operation."""
-    if hasattr(type(sim_backend), "query_stream"):
-        yield
-        return
-    from cai_streams._backend._sim import _Point
-
-    last: dict[int, _Point] = {}
-    real_enqueue = sim_backend._enqueue
-
-    def enqueue(handle: int, op: Any) -> None:
-        real_enqueue(handle, op)
-        stream = sim_backend._resolve(handle)
-        point = _Point(stream.handle)
-        stream.push(("mark", point))
-        last[id(stream)] = point
-
-    def query_stream(handle: int) -> bool:
-        point = last.get(id(sim_backend._resolve(handle)))
-        return point is None or point.done.is_set()
-
-    monkeypatch.setattr(sim_backend, "_enqueue", enqueue)
-    monkeypatch.setattr(sim_backend, "query_stream", query_stream, raising=False)
-    yield
+    library uses to take an idle untracked producer's data without an event."""
+    assert callable(getattr(sim_backend, "query_stream", None))
 
 
 @pytest.mark.parametrize("ready", [True, False])
@@ -860,16 +838,15 @@ def test_a_closed_streams_reused_handle_is_another_stream(sim_backend: cs.Backen
     assert cs.Stream.wrap(2) == t2[0]
 
 
-@pytest.mark.parametrize("recycle", [True, False])
 def test_a_pending_read_on_a_closed_stream_is_waited_for_by_its_handles_successor(
-    sim_backend: cs.Backend, recycle: bool
+    sim_backend: cs.Backend,
 ) -> None:
     """A consumer's stream is closed with its read held; the next stream gets
     its handle and writes: that is another stream, so it waits."""
     ops = SimOps()
     t = cs.track(sim.asarray(np.ones(64)))
     out = sim.asarray(np.full(64, -1.0))
-    with recycled_stream_handles(sim_backend) if recycle else _nothing():
+    with recycled_stream_handles(sim_backend):
         c1 = cs.Stream()
         latch = ops.latch(c1)
         try:
@@ -878,7 +855,7 @@ def test_a_pending_read_on_a_closed_stream_is_waited_for_by_its_handles_successo
             done = c1.record()
             c1.close()
             c2 = cs.Stream()
-            assert (c2.handle == view.stream) is recycle
+            assert c2.handle == view.stream  # the simulator reuses it, as CUDA does
             with t.writing(c2):
                 ops.fill(c2, t.array, 2.0)
             assert _held(c2), "the successor did not wait for the closed read"
@@ -910,14 +887,6 @@ def test_work_a_producer_names_by_bare_handle_is_recorded_at_the_handoff(
         view = anyio.run(lambda: _returns_only_after_release(lambda: cs.consume(t), latch))
         assert (_values(view) == 5).all()
         q.close()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 # -- 15. errors say what happened --------------------------------------------------------------

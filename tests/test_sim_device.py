@@ -6,6 +6,9 @@ import gc
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -18,8 +21,11 @@ from .device_ops import SimOps
 
 
 @pytest.fixture(autouse=True)
-def _sim() -> None:
+def _sim() -> Iterator[None]:
     cs.use_backend("sim")
+    yield
+    for device in range(sim.device().device_count()):  # a failed test leaves no poison
+        sim.reset(device)
 
 
 def test_asarray_round_trip_and_alignment() -> None:
@@ -112,36 +118,67 @@ class _ForeignArray:
     __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (64, False), "version": 3}
 
 
-def test_failing_kernel_surfaces_at_the_next_synchronize() -> None:
+def test_a_failed_kernel_poisons_its_device_until_reset() -> None:
+    """The sim's side of the sticky-fault rule (tests/test_conformance_faults.py
+    states it over both backends): what runs and what does not after a fault."""
     ops = SimOps()
     s = cs.Stream()
-    ops.fail(s)
-    after = s.record()
     x = ops.array(np.zeros(2, np.float32))
-    ops.fill(s, x, 4.0)  # later kernels still run
+    ops.fail(s)
+    ops.fill(s, x, 4.0)  # enqueued after the failure: never runs
     with pytest.raises(cs.KernelError, match="'broken'.*ZeroDivisionError: boom") as info:
         s.synchronize()
     assert isinstance(info.value.__cause__, ZeroDivisionError)
     assert info.value.name == "cudaErrorLaunchFailure" and isinstance(info.value, cs.CudaError)
-    s.synchronize()  # reported once, then cleared
-    np.testing.assert_array_equal(x.to_host(), 4.0)
-    for _ in range(2):  # events recorded after the failure keep reporting it
+    for _ in range(2):  # sticky: every later call on the device raises
         with pytest.raises(cs.KernelError):
-            after.synchronize()
+            s.synchronize()
         with pytest.raises(cs.KernelError):
-            _ = after.is_done
-    assert s.record().is_done in (True, False)
+            ops.fill(s, x, 5.0)
+        with pytest.raises(cs.KernelError):
+            cs.Stream()
+        with pytest.raises(cs.KernelError):
+            sim.empty(4)
+    sim.reset()
+    np.testing.assert_array_equal(ops.to_host(x), 0.0)  # the fill never ran
+    with cs.sanitize(False):  # it saw the fill that never ran, and no sync after it
+        ops.fill(s, x, 6.0)
     s.synchronize()
+    np.testing.assert_array_equal(ops.to_host(x), 6.0)
 
 
-def test_errors_do_not_cross_streams() -> None:
+def test_kernels_enqueued_before_a_reset_never_run() -> None:
     ops = SimOps()
-    a, b = cs.Stream(), cs.Stream()
-    ops.fail(a)
-    b.wait(a.record())
-    b.synchronize()
-    with pytest.raises(cs.KernelError):
-        a.synchronize()
+    s = cs.Stream()
+    x = ops.array(np.zeros(2, np.float32))
+    latch = ops.latch(s)
+    ops.fill(s, x, 1.0)
+    sim.reset()  # as cudaDeviceReset: the queued work is abandoned
+    latch.release()
+    s.synchronize()  # marks still complete: nothing waits forever
+    np.testing.assert_array_equal(ops.to_host(x), 0.0)
+
+
+def test_a_fault_stays_on_its_device() -> None:
+    ops = SimOps()
+    if sim.device().device_count() < 2:
+        pytest.skip("needs two simulated devices (CAI_STREAMS_SIM_DEVICES >= 2)")
+    backend = sim.device()
+    other = cs.Stream.wrap(backend.create_stream(device=1))
+    try:
+        failing = cs.Stream()
+        ops.fail(failing)
+        with pytest.raises(cs.KernelError):
+            failing.synchronize()
+        x = sim.asarray(np.zeros(2, np.float32), device=1)
+        ops.fill(other, x, 3.0)
+        other.synchronize()  # device 1 is not poisoned by device 0's fault
+        np.testing.assert_array_equal(ops.to_host(x), 3.0)
+        with pytest.raises(cs.KernelError):
+            cs.Stream.wrap(1).synchronize()  # device 0 still is
+    finally:
+        backend.destroy_stream(other.handle)
+        sim.reset(0)
 
 
 def test_legacy_stream_waits_for_per_thread_default_stream() -> None:
@@ -234,3 +271,147 @@ def test_destructors_running_under_the_backend_lock_do_not_deadlock() -> None:
     worker.start()
     worker.join(10)
     assert not worker.is_alive(), "a destructor deadlocked on the backend lock"
+
+
+def test_per_thread_default_streams_are_reclaimed_with_their_thread() -> None:
+    """500 short-lived threads touching handle 2 leave no worker behind, and the
+    legacy stream does not wait on 500 idle streams afterwards."""
+    backend = sim.device()
+    device = backend._devices[0]
+    before_threads = threading.active_count()
+    before_blocking = len(device.blocking)
+
+    def touch() -> None:
+        s = cs.Stream.wrap(2)
+        sim.launch(s, lambda: None)
+        s.synchronize()
+
+    for _ in range(5):
+        threads = [threading.Thread(target=touch) for _ in range(100)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before_threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= before_threads
+    assert len(device.blocking) == before_blocking
+    x = sim.asarray(np.zeros(4, np.float32))
+    start = time.perf_counter()
+    for _ in range(10):
+        x.to_host()
+    assert (time.perf_counter() - start) / 10 < 0.02  # was 94 ms with 500 leaked streams
+
+
+def test_a_destroyed_streams_worker_drains_and_ends() -> None:
+    backend = sim.device()
+    s = cs.Stream()
+    worker = backend._streams[s.handle]._thread
+    assert worker is not None and worker.is_alive()
+    done: list[int] = []
+    sim.launch(s, lambda: done.append(1), duration=0.01)
+    s.close()
+    worker.join(5)
+    assert not worker.is_alive() and done == [1]
+
+
+def test_destroyed_handles_are_handed_out_again() -> None:
+    """Streams, events and graphs: the next create of the kind gets the handle
+    of the last one destroyed (CUDA recycles addresses; an H100 reused a
+    stream's at once, its events' later)."""
+    backend = sim.device()
+    stream = backend.create_stream()
+    backend.destroy_stream(stream)
+    assert backend.create_stream() == stream
+    event = backend.create_event()
+    backend.destroy_event(event)
+    assert backend.create_event() == event
+    backend.destroy_event(event)
+    backend.destroy_stream(stream)
+
+
+def test_each_device_has_its_own_memory_and_arrays_know_it() -> None:
+    backend = sim.device()
+    if backend.device_count() < 2:
+        pytest.skip("needs two simulated devices (CAI_STREAMS_SIM_DEVICES >= 2)")
+    a = sim.empty(16, device=0)
+    b = sim.asarray(np.arange(16, dtype="float32"), device=1)
+    assert (a.device, b.device, b[2:].device) == (0, 1, 1)
+    assert backend.pointer_device(a.ptr) == 0 and backend.pointer_device(b.ptr + 8) == 1
+    with pytest.raises(ValueError, match="not simulated device memory"):
+        backend.pointer_device(np.zeros(4).ctypes.data)
+    backend.set_device(1)
+    try:
+        assert sim.empty(4).device == 1  # the current device is the default
+    finally:
+        backend.set_device(0)
+    with pytest.raises(cs.CudaError, match="cudaErrorInvalidDevice"):
+        sim.empty(4, device=backend.device_count())
+
+
+def test_the_pool_is_per_device_and_reset_releases_its_cached_blocks() -> None:
+    backend = sim.device()
+    a = sim.empty(100, device=0)
+    ptr = a.ptr
+    del a
+    if backend.device_count() > 1:
+        assert sim.empty(100, device=1).ptr != ptr  # another device's pool
+    again = sim.empty(100, device=0)
+    assert again.ptr == ptr  # the freed block, at once
+    del again
+    assert backend.memory.cached(0) >= 1
+    sim.reset(0)
+    assert backend.memory.cached(0) == 0
+    with pytest.raises(ValueError):
+        backend.pointer_device(ptr)  # released: no longer device memory
+
+
+def test_the_number_of_devices_comes_from_the_environment() -> None:
+    code = "from cai_streams import sim; print(sim.device().device_count())"
+    for value, expected in (("", "2"), ("1", "1"), ("3", "3")):
+        env = {**os.environ, "CAI_STREAMS_SIM_DEVICES": value}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert out.stdout.strip() == expected, out.stderr
+    env = {**os.environ, "CAI_STREAMS_SIM_DEVICES": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "CAI_STREAMS_SIM_DEVICES='0'" in out.stderr
+
+
+def test_graph_replay_runs_unordered_branches_in_varying_orders() -> None:
+    """Two captured branches the program never ordered: replays interleave them
+    differently, as concurrent branches would on a GPU, so a missing join in a
+    captured graph shows as wrong data rather than passing by luck."""
+    backend = sim.device()
+    s = cs.Stream()
+    other = cs.Stream()
+    seen: list[str] = []
+    event = backend.create_event()
+    with cs.sanitize(False):  # the sanitizer does not model graphs yet
+        backend.begin_capture(s.handle, "global")
+        backend.record(event, s.handle)
+        backend.stream_wait_event(other.handle, event)  # fork
+        for i in range(4):
+            sim.launch(s, lambda i=i: seen.append(f"a{i}"))
+            sim.launch(other, lambda i=i: seen.append(f"b{i}"))
+        backend.record(event, other.handle)
+        backend.stream_wait_event(s.handle, event)  # join
+        graph = backend.end_capture(s.handle)
+        graph_exec = backend.instantiate_graph(graph)
+        orders = set()
+        for _ in range(20):
+            seen.clear()
+            backend.launch_graph(graph_exec, s.handle)
+            s.synchronize()
+            assert [x for x in seen if x[0] == "a"] == ["a0", "a1", "a2", "a3"]  # stream order
+            assert [x for x in seen if x[0] == "b"] == ["b0", "b1", "b2", "b3"]
+            orders.add(tuple(seen))
+    assert len(orders) > 1
+    backend.destroy_graph_exec(graph_exec)
+    backend.destroy_graph(graph)
+    backend.destroy_event(event)

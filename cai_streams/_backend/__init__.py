@@ -1,10 +1,15 @@
 """The backend protocol and the process-wide choice of backend.
 
 A backend is the only code that talks to a device. Its methods take and return
-plain integer handles (what goes into a CAI ``stream`` entry), make one device
-call each, and raise :class:`~cai_streams.CudaError` on failure. Everything
-above it (streams, scheduling, polling, sanitizing) is shared by all backends,
-so the simulated device exercises the same code that runs on a GPU.
+plain integer handles (streams as they go into a CAI ``stream`` entry, events,
+graphs, device ordinals), make one runtime call each, and raise
+:class:`~cai_streams.CudaError` on failure, with the driver's code and name.
+Everything above it (streams, scheduling, polling, sanitizing) is shared by all
+backends, so the simulated devices exercise the same code that runs on a GPU.
+
+Devices are per host thread, as in the CUDA runtime: ``current_device`` is the
+calling thread's (0 until it calls ``set_device``), and handles 1 and 2 name
+the legacy and per-thread default streams of that device.
 """
 
 from __future__ import annotations
@@ -15,11 +20,19 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Final
+from typing import Final, Literal
 
 from .._errors import CaiStreamsError
 
-__all__ = ["Backend", "current_backend", "use_backend", "BACKEND_NAMES"]
+__all__ = [
+    "BACKEND_NAMES",
+    "CAPTURE_MODES",
+    "Backend",
+    "CaptureMode",
+    "CaptureStatus",
+    "current_backend",
+    "use_backend",
+]
 
 logger = logging.getLogger("cai_streams")
 
@@ -30,9 +43,16 @@ BACKEND_NAMES: Final = ("sim", "cuda")
 #: (a test switch: not one of ``BACKEND_NAMES``, not accepted by ``CAI_STREAMS_BACKEND``)
 DECOY_NAME: Final = "decoy"
 
+#: how a stream capture interacts with potentially unsafe calls (cudaStreamCaptureMode)
+CaptureMode = Literal["global", "thread_local", "relaxed"]
+CAPTURE_MODES: Final[tuple[CaptureMode, ...]] = ("global", "thread_local", "relaxed")
+#: a stream's capture state (cudaStreamCaptureStatus): not capturing, capturing,
+#: or capturing but invalidated (only ``end_capture`` is left to do)
+CaptureStatus = Literal["none", "active", "invalidated"]
+
 
 class Backend(ABC):
-    """One device as seen through integer stream and event handles."""
+    """The devices of one runtime, seen through integer handles."""
 
     #: ``"sim"`` or ``"cuda"`` (``"decoy"`` under ``CAI_STREAMS_SIM_DECOY=1``)
     name: str
@@ -42,35 +62,89 @@ class Backend(ABC):
     def unavailable_reason(cls) -> str | None:
         """None when this backend can be used here, else a one-line reason."""
 
+    # -- devices -------------------------------------------------------------------
+
     @abstractmethod
-    def create_stream(self) -> int:
-        """A new non-blocking stream (never synchronizes with the legacy stream)."""
+    def device_count(self) -> int:
+        """How many devices there are (cudaGetDeviceCount). Does not block."""
+
+    @abstractmethod
+    def current_device(self) -> int:
+        """The calling thread's current device (cudaGetDevice); 0 in a new thread."""
+
+    @abstractmethod
+    def set_device(self, device: int) -> None:
+        """Make ``device`` the calling thread's current device (cudaSetDevice).
+
+        This thread only. An ordinal out of range raises CudaError
+        (cudaErrorInvalidDevice). Does not block.
+        """
+
+    @abstractmethod
+    def pointer_device(self, ptr: int) -> int:
+        """The device whose memory holds ``ptr`` (cudaPointerGetAttributes).
+
+        ValueError if ``ptr`` is not device memory. Does not block.
+        """
+
+    # -- streams ---------------------------------------------------------------------
+
+    @abstractmethod
+    def create_stream(self, device: int | None = None) -> int:
+        """A new non-blocking stream (never synchronizes with the legacy stream)
+        on ``device`` (None: the current device; the current device is left as
+        it was). Does not block."""
 
     @abstractmethod
     def destroy_stream(self, stream: int) -> None:
-        """Release ``stream``; work already enqueued on it still completes."""
+        """Release ``stream``; work already enqueued on it still completes.
+
+        Its handle may be handed out again by the next create. Does not block.
+        """
 
     @abstractmethod
     def is_stream(self, stream: int) -> bool:
         """Whether ``stream`` can be used as a stream handle on this backend."""
 
     @abstractmethod
-    def create_event(self) -> int:
-        """A new event without timing; never recorded, so it counts as complete."""
+    def stream_device(self, stream: int) -> int:
+        """The device of ``stream`` (cudaStreamGetDevice); for 1 and 2, the
+        calling thread's current device. Does not block."""
+
+    @abstractmethod
+    def query_stream(self, stream: int) -> bool:
+        """True when all work enqueued on ``stream`` so far is complete, False while
+        it is not (cudaStreamQuery). Never blocks; a failure raises."""
+
+    @abstractmethod
+    def synchronize_stream(self, stream: int) -> None:
+        """Block the calling thread until all work on ``stream`` is complete."""
+
+    # -- events ----------------------------------------------------------------------
+
+    @abstractmethod
+    def create_event(self, device: int | None = None) -> int:
+        """A new event without timing on ``device`` (None: the current device);
+        never recorded, so it counts as complete. It can be recorded only on
+        streams of its device. Does not block."""
 
     @abstractmethod
     def destroy_event(self, event: int) -> None:
-        """Release ``event``; a pending record of it still completes."""
+        """Release ``event``; a pending record of it still completes. Does not block."""
 
     @abstractmethod
     def record(self, event: int, stream: int) -> None:
-        """Make ``event`` capture the work enqueued on ``stream`` so far."""
+        """Make ``event`` capture the work enqueued on ``stream`` so far.
+
+        ``stream`` must be on the event's device (else cudaErrorInvalidResourceHandle).
+        Only enqueues.
+        """
 
     @abstractmethod
     def query(self, event: int) -> bool:
         """True when the captured work is complete, False while it is not.
 
-        "Not ready" is a value; any other result raises.
+        "Not ready" is a value; any other result raises. Does not block.
         """
 
     @abstractmethod
@@ -81,16 +155,53 @@ class Backend(ABC):
     def stream_wait_event(self, stream: int, event: int) -> None:
         """Make later work on ``stream`` wait for the work ``event`` captured.
 
-        Waiting on a never-recorded event is a no-op, as in CUDA.
+        Waiting on a never-recorded event is a no-op, as in CUDA; the event may
+        belong to another device. Only enqueues.
         """
 
-    @abstractmethod
-    def synchronize_stream(self, stream: int) -> None:
-        """Block the calling thread until all work on ``stream`` is complete."""
+    # -- graph capture ---------------------------------------------------------------
 
     @abstractmethod
-    def current_device(self) -> int:
-        """The ordinal of the device this thread's work goes to."""
+    def begin_capture(self, stream: int, mode: CaptureMode) -> None:
+        """Start capturing the work enqueued on ``stream`` into a graph
+        (cudaStreamBeginCapture): it is recorded, not run. Does not block."""
+
+    @abstractmethod
+    def end_capture(self, stream: int) -> int:
+        """End the capture begun on ``stream`` and return the graph
+        (cudaStreamEndCapture). CudaError if the capture was invalidated; the
+        stream has left capture mode either way. Does not block."""
+
+    @abstractmethod
+    def capture_status(self, stream: int) -> CaptureStatus:
+        """Whether ``stream`` is capturing (cudaStreamIsCapturing). Does not block."""
+
+    def is_capturing(self, stream: int) -> bool:
+        """Whether ``stream`` is in capture mode, valid or invalidated. Does not block."""
+        return self.capture_status(stream) != "none"
+
+    @abstractmethod
+    def exchange_capture_mode(self, mode: CaptureMode) -> CaptureMode:
+        """Set the calling thread's capture interaction mode and return the
+        previous one (cudaThreadExchangeStreamCaptureMode). Does not block."""
+
+    @abstractmethod
+    def instantiate_graph(self, graph: int) -> int:
+        """An executable graph made from ``graph`` (cudaGraphInstantiate)."""
+
+    @abstractmethod
+    def launch_graph(self, graph_exec: int, stream: int) -> None:
+        """Replay ``graph_exec`` on ``stream`` after the work enqueued on it so
+        far, and after earlier launches of the same graph (cudaGraphLaunch).
+        Only enqueues."""
+
+    @abstractmethod
+    def destroy_graph(self, graph: int) -> None:
+        """Release ``graph`` (cudaGraphDestroy); executables made from it stay."""
+
+    @abstractmethod
+    def destroy_graph_exec(self, graph_exec: int) -> None:
+        """Release ``graph_exec`` (cudaGraphExecDestroy); a pending launch still runs."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to do by default
         """Release what the backend holds; called at interpreter exit."""

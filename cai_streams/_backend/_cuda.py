@@ -2,7 +2,10 @@
 
 Streams and events are made on the device's primary context, the one CuPy,
 PyTorch and Numba use, so handles pass freely between them and this library.
-Each method is one runtime call; every result goes through :func:`check`.
+Each method is one runtime call (``create_stream``/``create_event`` on another
+device than the current one also set the device around it and restore it);
+every result goes through :func:`check`, the one place a result becomes
+:class:`~cai_streams.CudaError`. No Python ever runs on a driver thread.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import threading
 from typing import Any, Final
 
 from .._errors import CudaError
-from . import Backend
+from . import Backend, CaptureMode, CaptureStatus
 
 __all__ = ["CudaBackend", "check"]
 
@@ -90,6 +93,8 @@ class CudaBackend(Backend):
         rt = self._rt
         self._stream_t = rt.cudaStream_t
         self._event_t = rt.cudaEvent_t
+        self._graph_t = rt.cudaGraph_t
+        self._graph_exec_t = rt.cudaGraphExec_t
         self._non_blocking = rt.cudaStreamNonBlocking
         # Not cudaEventBlockingSync, although a host wait on such an event sleeps
         # instead of spinning: on an H100 (driver 580) about 56 pending records of
@@ -98,12 +103,65 @@ class CudaBackend(Backend):
         # had to release it (docs/gpu-runs/2026-11-22-NVIDIA-H100-80GB-HBM3.txt).
         # Plain events allowed about 1,000. Awaiting never spins: it polls.
         self._event_flags = int(rt.cudaEventDisableTiming)
+        modes = rt.cudaStreamCaptureMode
+        self._modes: dict[str, Any] = {
+            "global": modes.cudaStreamCaptureModeGlobal,
+            "thread_local": modes.cudaStreamCaptureModeThreadLocal,
+            "relaxed": modes.cudaStreamCaptureModeRelaxed,
+        }
+        self._mode_names: dict[int, CaptureMode] = {
+            int(modes.cudaStreamCaptureModeGlobal): "global",
+            int(modes.cudaStreamCaptureModeThreadLocal): "thread_local",
+            int(modes.cudaStreamCaptureModeRelaxed): "relaxed",
+        }
+        status = rt.cudaStreamCaptureStatus
+        self._statuses: dict[int, CaptureStatus] = {
+            int(status.cudaStreamCaptureStatusNone): "none",
+            int(status.cudaStreamCaptureStatusActive): "active",
+            int(status.cudaStreamCaptureStatusInvalidated): "invalidated",
+        }
+        memory = rt.cudaMemoryType
+        self._device_memory = (int(memory.cudaMemoryTypeDevice), int(memory.cudaMemoryTypeManaged))
         # Make the primary context current on this thread (cudaFree(0) idiom).
         check(rt.cudaFree(0), "cudaFree(0) to initialize the primary context")
 
-    def create_stream(self) -> int:
-        s = check(self._rt.cudaStreamCreateWithFlags(self._non_blocking), "cudaStreamCreate")
-        return int(s)
+    # -- devices ---------------------------------------------------------------------
+
+    def device_count(self) -> int:
+        return int(check(self._rt.cudaGetDeviceCount(), "cudaGetDeviceCount"))
+
+    def current_device(self) -> int:
+        return int(check(self._rt.cudaGetDevice(), "cudaGetDevice"))
+
+    def set_device(self, device: int) -> None:
+        check(self._rt.cudaSetDevice(device), f"cudaSetDevice({device})")
+
+    def pointer_device(self, ptr: int) -> int:
+        attrs = check(self._rt.cudaPointerGetAttributes(ptr), "cudaPointerGetAttributes")
+        if int(attrs.type) not in self._device_memory:
+            raise ValueError(f"{ptr:#x} is not device memory (its memory type is {attrs.type!r})")
+        return int(attrs.device)
+
+    def _on_device(self, device: int | None, create: Any, during: str) -> int:
+        """``create()`` with ``device`` current, the current device restored after."""
+        if device is None:
+            return int(check(create(), during))
+        previous = self.current_device()
+        if previous == device:
+            return int(check(create(), during))
+        self.set_device(device)
+        try:
+            return int(check(create(), during))
+        finally:
+            self.set_device(previous)
+
+    # -- streams ---------------------------------------------------------------------
+
+    def create_stream(self, device: int | None = None) -> int:
+        flags = self._non_blocking
+        return self._on_device(
+            device, lambda: self._rt.cudaStreamCreateWithFlags(flags), "cudaStreamCreate"
+        )
 
     def destroy_stream(self, stream: int) -> None:
         check(self._rt.cudaStreamDestroy(self._stream_t(stream)), "cudaStreamDestroy")
@@ -113,9 +171,28 @@ class CudaBackend(Backend):
         # garbage pointer; the driver reports misuse when the handle is used.
         return stream > 0
 
-    def create_event(self) -> int:
-        e = check(self._rt.cudaEventCreateWithFlags(self._event_flags), "cudaEventCreate")
-        return int(e)
+    def stream_device(self, stream: int) -> int:
+        # cudaStreamGetDevice: CUDA 12.8 and later (cuda-bindings >= 12.9.1 has it).
+        result = self._rt.cudaStreamGetDevice(self._stream_t(stream))
+        return int(check(result, "cudaStreamGetDevice"))
+
+    def query_stream(self, stream: int) -> bool:
+        result = self._rt.cudaStreamQuery(self._stream_t(stream))
+        if int(result[0]) == _NOT_READY:
+            return False
+        check(result, "cudaStreamQuery")
+        return True
+
+    def synchronize_stream(self, stream: int) -> None:
+        check(self._rt.cudaStreamSynchronize(self._stream_t(stream)), "cudaStreamSynchronize")
+
+    # -- events ----------------------------------------------------------------------
+
+    def create_event(self, device: int | None = None) -> int:
+        flags = self._event_flags
+        return self._on_device(
+            device, lambda: self._rt.cudaEventCreateWithFlags(flags), "cudaEventCreate"
+        )
 
     def destroy_event(self, event: int) -> None:
         check(self._rt.cudaEventDestroy(self._event_t(event)), "cudaEventDestroy")
@@ -128,12 +205,10 @@ class CudaBackend(Backend):
 
     def query(self, event: int) -> bool:
         result = self._rt.cudaEventQuery(self._event_t(event))
-        code = int(result[0])
-        if code == _SUCCESS:
-            return True
-        if code == _NOT_READY:
+        if int(result[0]) == _NOT_READY:
             return False
-        raise _error(code, "cudaEventQuery")
+        check(result, "cudaEventQuery")
+        return True
 
     def synchronize_event(self, event: int) -> None:
         check(self._rt.cudaEventSynchronize(self._event_t(event)), "cudaEventSynchronize")
@@ -144,8 +219,49 @@ class CudaBackend(Backend):
             "cudaStreamWaitEvent",
         )
 
-    def synchronize_stream(self, stream: int) -> None:
-        check(self._rt.cudaStreamSynchronize(self._stream_t(stream)), "cudaStreamSynchronize")
+    # -- graph capture ---------------------------------------------------------------
 
-    def current_device(self) -> int:
-        return int(check(self._rt.cudaGetDevice(), "cudaGetDevice"))
+    def begin_capture(self, stream: int, mode: CaptureMode) -> None:
+        if mode not in self._modes:
+            raise ValueError(f"capture mode must be one of {', '.join(self._modes)}, got {mode!r}")
+        check(
+            self._rt.cudaStreamBeginCapture(self._stream_t(stream), self._modes[mode]),
+            "cudaStreamBeginCapture",
+        )
+
+    def end_capture(self, stream: int) -> int:
+        graph = check(self._rt.cudaStreamEndCapture(self._stream_t(stream)), "cudaStreamEndCapture")
+        return int(graph)
+
+    def capture_status(self, stream: int) -> CaptureStatus:
+        status = check(
+            self._rt.cudaStreamIsCapturing(self._stream_t(stream)), "cudaStreamIsCapturing"
+        )
+        return self._statuses[int(status)]
+
+    def exchange_capture_mode(self, mode: CaptureMode) -> CaptureMode:
+        if mode not in self._modes:
+            raise ValueError(f"capture mode must be one of {', '.join(self._modes)}, got {mode!r}")
+        previous = check(
+            self._rt.cudaThreadExchangeStreamCaptureMode(self._modes[mode]),
+            "cudaThreadExchangeStreamCaptureMode",
+        )
+        return self._mode_names[int(previous)]
+
+    def instantiate_graph(self, graph: int) -> int:
+        graph_exec = check(
+            self._rt.cudaGraphInstantiate(self._graph_t(graph), 0), "cudaGraphInstantiate"
+        )
+        return int(graph_exec)
+
+    def launch_graph(self, graph_exec: int, stream: int) -> None:
+        check(
+            self._rt.cudaGraphLaunch(self._graph_exec_t(graph_exec), self._stream_t(stream)),
+            "cudaGraphLaunch",
+        )
+
+    def destroy_graph(self, graph: int) -> None:
+        check(self._rt.cudaGraphDestroy(self._graph_t(graph)), "cudaGraphDestroy")
+
+    def destroy_graph_exec(self, graph_exec: int) -> None:
+        check(self._rt.cudaGraphExecDestroy(self._graph_exec_t(graph_exec)), "cudaGraphExecDestroy")

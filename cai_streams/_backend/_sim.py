@@ -1,6 +1,6 @@
-"""The simulated device: streams are worker threads draining FIFOs.
+"""The simulated devices: as strict as the driver.
 
-Ordering rules modelled (CUDA's, for what this library relies on):
+Ordering rules (CUDA's, for what this library relies on):
 
 * Work on one stream runs in FIFO order, one operation at a time, on that
   stream's own worker thread; host calls only enqueue and return.
@@ -9,220 +9,87 @@ Ordering rules modelled (CUDA's, for what this library relies on):
 * ``stream_wait_event`` captures the event's latest record at call time and
   blocks the waiting stream's worker until that marker is reached. An event
   never recorded makes the wait a no-op.
-* Streams made by ``create_stream`` are non-blocking: they never synchronize
-  implicitly with anything. Handle 1 is the legacy default stream, handle 2 the
-  per-thread default stream (one per host thread, made on first use). Per-thread
-  default streams are blocking streams, so the legacy stream's implicit
-  synchronization applies between them: an operation on stream 1 waits for all
-  earlier work on every per-thread default stream, and an operation on a
-  per-thread default stream waits for all earlier work on stream 1.
+* Streams made by ``create_stream`` are non-blocking. Handle 1 is the current
+  device's legacy default stream, handle 2 the calling thread's per-thread
+  default stream on the current device (made on first use, reclaimed when the
+  thread ends). Per-thread default streams are blocking: an operation on
+  stream 1 waits for all earlier work on every per-thread default stream of its
+  device, and an operation on a per-thread default stream waits for all earlier
+  work on stream 1.
 * Kernels really run (Python callables over numpy views of device memory), after
   their ``duration`` plus a seeded random jitter, so a missing wait gives wrong data.
 
-Error rule: a kernel that raises leaves its stream in error. The next
-``synchronize_stream`` of that stream raises :class:`KernelError` (and clears the
-error); every event recorded on it after the failure and before that
-synchronization raises it from ``query`` and ``synchronize_event``, forever.
-Later kernels on the stream still run. Errors do not cross streams through waits.
-Memory is host RAM allocated by this module with real, 256-byte aligned pointers.
+What else real CUDA does to programs that get it wrong, modelled here:
+
+* Handle reuse: a destroyed stream's, event's or graph's handle is handed out
+  again by the next create of its kind, as CUDA recycles addresses.
+* Devices: ``CAI_STREAMS_SIM_DEVICES`` of them (default 2), each with its own
+  legacy and per-thread default streams, memory and events. Each host thread
+  has a current device (0 until it calls ``set_device``). Recording an event on
+  a stream of another device is cudaErrorInvalidResourceHandle; waiting on
+  another device's event is legal.
+* Sticky faults: a kernel that raises poisons its device. The next
+  synchronizing call on that device (a stream or event synchronize, an event
+  query, for any stream or event of the device) raises :class:`KernelError`,
+  and so does every call on the device after it, until ``sim.reset()``.
+  Kernels enqueued on a poisoned device never run; marks and waits still
+  complete, so nothing hangs. Destroying a stream or event still works.
+* Graph capture, as the driver does it (``_sim_capture``).
+* A caching allocator per device (``_sim_memory``).
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import os
 import random
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
-from .._errors import CudaError, KernelError
-from . import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
+from . import CAPTURE_MODES, Backend, CaptureMode, CaptureStatus
+from ._sim_capture import CaptureRules
+from ._sim_memory import Memory, free_hooks
+from ._sim_stream import Device, Handles, Point, SimEvent, SimStream, kernel_hooks, sim_error
 
-__all__ = ["DecoyBackend", "SimBackend"]
+__all__ = ["DecoyBackend", "SimBackend", "free_hooks", "kernel_hooks"]
 
 #: default upper bound of the random delay added to each kernel, in seconds
 DEFAULT_JITTER: Final = 0.0005
-_ALIGN: Final = 256
-_INVALID_HANDLE: Final = (400, "cudaErrorInvalidResourceHandle")
-
-
-def _invalid(kind: str, handle: int) -> CudaError:
-    code, name = _INVALID_HANDLE
-    return CudaError(code, name, f"no simulated {kind} has handle {handle:#x}")
-
-
-class _Point:
-    """A position in one stream's FIFO; set once every earlier operation ran."""
-
-    __slots__ = ("done", "error", "stream")
-
-    def __init__(self, stream: int) -> None:
-        self.done = threading.Event()
-        self.error: KernelError | None = None
-        self.stream = stream
-
-
-def _raise_copy(err: KernelError) -> None:
-    # A fresh instance per raise: tracebacks are not shared between threads.
-    raise KernelError(err.kernel, err.stream, err.__cause__ or err)
-
 
 _Op = tuple[Any, ...]
 
 
-class _SimStream:
-    """One stream: a FIFO of operations and the worker thread that drains it."""
+class _ThreadState:
+    """One host thread's view of the simulator: its current device, its
+    capture interaction mode, and its per-thread default streams."""
 
-    def __init__(self, backend: SimBackend, handle: int, blocking: bool, seed: str) -> None:
-        self.handle = handle
-        self.blocking = blocking
-        self._backend = backend
-        self._ops: deque[_Op] = deque()
-        self._cv = threading.Condition(threading.Lock())
-        self._closed = False
-        self._error: KernelError | None = None
-        self._rng = random.Random(seed)
-        self._thread = threading.Thread(
-            target=self._run, name=f"cai-streams-{backend.name}-{handle:#x}", daemon=True
-        )
-        self._thread.start()
-
-    def push(self, op: _Op) -> None:
-        with self._cv:
-            if self._closed:
-                raise _invalid("stream (destroyed)", self.handle)
-            self._ops.append(op)
-            self._cv.notify()
-
-    def mark(self) -> _Point:
-        point = _Point(self.handle)
-        self.push(("mark", point))
-        return point
-
-    def take_error(self, point: _Point) -> KernelError | None:
-        """The error a synchronization reaching ``point`` reports; clears it."""
-        with self._cv:
-            if point.error is not None and self._error is point.error:
-                self._error = None
-        return point.error
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._ops and not self._closed:
-                    self._cv.wait()
-                if not self._ops:
-                    return
-                op = self._ops.popleft()
-            kind = op[0]
-            if kind == "kernel":
-                self._run_kernel(op[1], op[2], op[3])
-            elif kind == "mark":
-                point: _Point = op[1]
-                with self._cv:
-                    point.error = self._error
-                point.done.set()
-            elif kind == "wait":
-                waited: _Point = op[1]
-                while not waited.done.wait(0.05):
-                    if self._backend.closing:
-                        return
-            # An idle worker must not keep the last kernel's arrays alive.
-            del op
-
-    def _run_kernel(self, fn: Callable[[], object], name: str, duration: float) -> None:
-        hooks = kernel_hooks
-        start = time.perf_counter() if hooks else 0.0
-        delay = duration
-        jitter = self._backend.jitter
-        if jitter > 0:
-            delay += self._rng.uniform(0.0, jitter)
-        if delay > 0:
-            time.sleep(delay)
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - a kernel failure is data, not a crash
-            with self._cv:
-                if self._error is None:
-                    self._error = KernelError(name, self.handle, exc)
-        if hooks:
-            end = time.perf_counter()
-            for hook in hooks:
-                hook(self.handle, name, start, end)
-
-
-#: called with (start, end) of every block freed (the sanitizer forgets it)
-free_hooks: list[Callable[[int, int], None]] = []
-#: called on the stream's worker with (stream, kernel name, start, end) in
-#: ``time.perf_counter()`` seconds after every kernel (the tracer records it)
-kernel_hooks: list[Callable[[int, str, float, float], None]] = []
-
-
-class _Allocations:
-    """Device memory: host buffers found again by pointer."""
+    __slots__ = ("__weakref__", "capture_mode", "device", "ptds")
 
     def __init__(self) -> None:
-        # Re-entrant: the weakref callback that frees a block can run from a
-        # garbage collection triggered while this very thread holds the lock.
-        self._lock = threading.RLock()
-        self._starts: list[int] = []
-        self._blocks: dict[int, tuple[int, weakref.ref[np.ndarray[Any, Any]]]] = {}
+        self.device = 0
+        self.capture_mode: CaptureMode = "global"
+        self.ptds: dict[int, SimStream] = {}
 
-    def allocate(self, nbytes: int) -> tuple[int, np.ndarray[Any, Any]]:
-        if nbytes == 0:
-            return 0, np.empty(0, dtype=np.uint8)
-        raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-        offset = (-raw.ctypes.data) % _ALIGN
-        block = raw[offset : offset + nbytes]
-        ptr = int(block.ctypes.data)
-        # Every numpy view of ``block`` has ``raw`` as its base (numpy collapses
-        # view chains), so ``raw`` is what lives exactly as long as the arrays.
-        with self._lock:
-            bisect.insort(self._starts, ptr)
-            self._blocks[ptr] = (nbytes, weakref.ref(raw, lambda _r: self._free(ptr)))
-        return ptr, block
 
-    def _free(self, ptr: int) -> None:
-        with self._lock:
-            found = self._blocks.pop(ptr, None)
-            if found is not None:
-                del self._starts[bisect.bisect_left(self._starts, ptr)]
-        if found is not None:
-            for hook in free_hooks:
-                hook(ptr, ptr + found[0])
+def _reclaim(ptds: dict[int, SimStream]) -> None:
+    """A host thread ended: its per-thread default streams drain and go (the
+    legacy stream keeps synchronizing with each until its work has run)."""
+    for stream in ptds.values():
+        stream.close_when_idle()
 
-    def find(self, ptr: int, nbytes: int) -> tuple[np.ndarray[Any, Any], int] | None:
-        """The live block holding ``[ptr, ptr + nbytes)`` and the offset into it."""
-        with self._lock:
-            i = bisect.bisect_right(self._starts, ptr) - 1
-            if i < 0:
-                return None
-            start = self._starts[i]
-            size, ref = self._blocks[start]
-            raw = ref()
-        if raw is None or ptr + nbytes > start + size:
-            return None
-        offset = start - int(raw.ctypes.data)
-        return raw[offset : offset + size], ptr - start
+
+def _check_mode(mode: object) -> None:
+    if mode not in CAPTURE_MODES:
+        raise ValueError(f"capture mode must be one of {', '.join(CAPTURE_MODES)}, got {mode!r}")
 
 
 class SimBackend(Backend):
-    """A faithful simulated CUDA device (see the module docstring for the rules)."""
+    """Faithful simulated CUDA devices (see the module docstring for the rules)."""
 
     name = "sim"
     #: the first stream or event handle (a decoy's never collide with the simulator's)
@@ -233,6 +100,8 @@ class SimBackend(Backend):
         return None
 
     def __init__(self, *, seed: int | None = None, jitter: float | None = None) -> None:
+        from .._config import sim_devices  # late: _config imports the package
+
         env_seed = os.environ.get("CAI_STREAMS_SIM_SEED", "").strip()
         if seed is None:
             seed = int(env_seed) if env_seed else random.SystemRandom().randrange(2**32)
@@ -244,55 +113,136 @@ class SimBackend(Backend):
         #: upper bound, in seconds, of the random delay added to each kernel
         self.jitter: float = float(jitter)
         self.closing = False
-        self.memory = _Allocations()
+        self.memory = Memory()
         # Re-entrant: Stream/Event destructors call back into the backend and can
         # run from a garbage collection on a thread that already holds the lock.
         self._lock = threading.RLock()
-        self._handles = itertools.count(self.first_handle, 0x200)
+        self._handles = Handles(self.first_handle)
+        self._captures = CaptureRules(self._lock, self._handles)
         self._ordinals = itertools.count()
-        self._streams: dict[int, _SimStream] = {}
-        self._events: dict[int, list[_Point | None]] = {}
-        self._per_thread = threading.local()
-        self._blocking: weakref.WeakSet[_SimStream] = weakref.WeakSet()
-        self._all_per_thread: list[_SimStream] = []
-        self._legacy = self._new_stream(LEGACY_DEFAULT_STREAM, blocking=True)
+        self._local = threading.local()
+        self._streams: dict[int, SimStream] = {}
+        self._events: dict[int, SimEvent] = {}
+        self._devices = [Device(self, i) for i in range(sim_devices())]
+
+    def new_stream(self, handle: int, device: Device, *, blocking: bool) -> SimStream:
+        """A stream object; its worker starts on ``start()`` or its first push."""
+        seed = f"{self.seed}:{next(self._ordinals)}"
+        return SimStream(self, handle, device, blocking=blocking, seed=seed)
+
+    # -- devices ---------------------------------------------------------------
+
+    def _state(self) -> _ThreadState:
+        state: _ThreadState | None = getattr(self._local, "state", None)
+        if state is None:
+            state = self._local.state = _ThreadState()
+        return state
+
+    def _device(self, device: int | None) -> Device:
+        if device is None:
+            return self._devices[self._state().device]
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"a device is an int ordinal, got {type(device).__name__}")
+        if not 0 <= device < len(self._devices):
+            raise sim_error(
+                101, f"device {device} does not exist: the simulator has {len(self._devices)}"
+            )
+        return self._devices[device]
+
+    def device_count(self) -> int:
+        return len(self._devices)
+
+    def current_device(self) -> int:
+        return self._state().device
+
+    def set_device(self, device: int) -> None:
+        self._state().device = self._device(device).ordinal
+
+    def pointer_device(self, ptr: int) -> int:
+        found = self.memory.device_of(ptr)
+        if found is None:
+            raise ValueError(f"{ptr:#x} is not simulated device memory")
+        return found
+
+    def allocate(self, nbytes: int, device: int | None = None) -> tuple[int, np.ndarray[Any, Any]]:
+        """Device memory from ``device``'s pool (cudaMalloc when the pool has no
+        block of that size: refused during a capture that forbids it). Does not block."""
+        dev = self._device(device)
+        dev.check_usable()
+        return self.memory.allocate(nbytes, dev.ordinal, lambda: self._check_unsafe("cudaMalloc"))
+
+    def reset(self, device: int | None = None) -> None:
+        """cudaDeviceReset of ``device`` (None: the current device), as far as
+        modelled: the fault is cleared, kernels enqueued before never run,
+        captures on the device end (invalidated), cached free blocks are
+        released. Streams, events, graphs and live arrays stay valid (CUDA
+        destroys them). Does not block."""
+        dev = self._device(device)
+        self._captures.end_all(dev.ordinal)
+        with self._lock:
+            dev.fault = None
+            dev.fault_seen = False
+            dev.epoch += 1
+        self.memory.release_cached(dev.ordinal)
+
+    def _check_unsafe(self, call: str) -> None:
+        if self._captures.active:
+            self._captures.check_unsafe(call, self._state().capture_mode)
 
     # -- streams ---------------------------------------------------------------
 
-    def _new_stream(self, handle: int, *, blocking: bool) -> _SimStream:
-        return _SimStream(self, handle, blocking, f"{self.seed}:{next(self._ordinals)}")
+    def _per_thread_stream(self) -> SimStream:
+        state = self._state()
+        stream = state.ptds.get(state.device)
+        if stream is None:
+            device = self._devices[state.device]
+            stream = self.new_stream(2, device, blocking=True)
+            stream.start()
+            if not state.ptds:
+                reclaim = weakref.finalize(state, _reclaim, state.ptds)
+                reclaim.atexit = False  # close() stops every stream at exit
+            state.ptds[state.device] = stream
+            device.blocking.add(stream)
+        return stream
 
-    def _resolve(self, handle: int) -> _SimStream:
-        if handle == LEGACY_DEFAULT_STREAM:
-            return self._legacy
-        if handle == PER_THREAD_DEFAULT_STREAM:
-            stream: _SimStream | None = getattr(self._per_thread, "stream", None)
-            if stream is None:
-                stream = self._new_stream(PER_THREAD_DEFAULT_STREAM, blocking=True)
-                self._per_thread.stream = stream
-                with self._lock:
-                    self._blocking.add(stream)
-                    self._all_per_thread.append(stream)
-            return stream
+    def _resolve(self, handle: int) -> SimStream:
+        if handle == 1:
+            return self._devices[self._state().device].legacy
+        if handle == 2:
+            return self._per_thread_stream()
         found = self._streams.get(handle)
         if found is None:
-            raise _invalid("stream", handle)
+            raise sim_error(400, f"no simulated stream has handle {handle:#x}")
         return found
 
-    def _enqueue(self, handle: int, op: _Op) -> None:
-        stream = self._resolve(handle)
-        if stream is self._legacy:
-            with self._lock:
-                others = list(self._blocking)
-            for other in others:
-                stream.push(("wait", other.mark()))
+    def _enqueue(self, stream: SimStream, *ops: _Op) -> None:
+        """Enqueue on ``stream`` with the default streams' implicit ordering, or
+        record into its capture."""
+        device = stream.device
+        device.check_usable()
+        if stream.capture is not None:
+            self._captures.record_ops(stream, ops)
+            return
+        legacy = device.legacy
+        if stream is legacy:
+            self._captures.check_legacy(device)
+            for other in list(device.blocking):
+                point = other.mark_if_busy()
+                if point is not None:
+                    stream.push(("wait", point))
         elif stream.blocking:
-            stream.push(("wait", self._legacy.mark()))
-        stream.push(op)
+            point = legacy.mark_if_busy()
+            if point is not None:
+                stream.push(("wait", point))
+        stream.push(*ops)
 
-    def create_stream(self) -> int:
-        handle = next(self._handles)
-        stream = self._new_stream(handle, blocking=False)  # starts a thread: not under the lock
+    def create_stream(self, device: int | None = None) -> int:
+        dev = self._device(device)
+        dev.check_usable()
+        with self._lock:
+            handle = self._handles.take("stream")
+        stream = self.new_stream(handle, dev, blocking=False)
+        stream.start()  # holding no lock
         with self._lock:
             self._streams[handle] = stream
         return handle
@@ -300,86 +250,172 @@ class SimBackend(Backend):
     def destroy_stream(self, stream: int) -> None:
         with self._lock:
             found = self._streams.pop(stream, None)
-        if found is None:
-            raise _invalid("stream", stream)
+            if found is None:
+                raise sim_error(400, f"no simulated stream has handle {stream:#x}")
+            self._handles.release("stream", stream)
         found.close()
 
     def is_stream(self, stream: int) -> bool:
-        return stream in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM) or (
-            stream in self._streams
-        )
+        return stream in (1, 2) or stream in self._streams
+
+    def stream_device(self, stream: int) -> int:
+        return self._resolve(stream).device.ordinal
 
     def launch(self, stream: int, fn: Callable[[], object], name: str, duration: float) -> None:
         """Enqueue ``fn`` on ``stream``; it runs on the stream's worker thread."""
-        self._enqueue(stream, ("kernel", fn, name, duration))
+        target = self._resolve(stream)
+        self._enqueue(target, ("kernel", fn, name, duration, target.device.epoch))
 
     def synchronize_stream(self, stream: int) -> None:
         target = self._resolve(stream)
-        point = _Point(target.handle)
-        self._enqueue(stream, ("mark", point))
-        point.done.wait()
-        err = target.take_error(point)
-        if err is not None:
-            _raise_copy(err)
+        device = target.device
+        self._captures.check_sync(target)
+        self._check_unsafe("cudaStreamSynchronize")
+        device.check_synchronizing()
+        point = Point()
+        self._enqueue(target, ("mark", point))
+        self._wait(point)
+        device.check_synchronizing()
+
+    def query_stream(self, stream: int) -> bool:
+        target = self._resolve(stream)
+        self._captures.check_sync(target)
+        self._check_unsafe("cudaStreamQuery")
+        target.device.check_synchronizing()
+        return target.is_idle()
+
+    def _wait(self, point: Point) -> None:
+        while not point.done.wait(0.1):
+            if self.closing:
+                return
 
     # -- events ----------------------------------------------------------------
 
-    def create_event(self) -> int:
-        handle = next(self._handles)
+    def create_event(self, device: int | None = None) -> int:
+        dev = self._device(device)
+        dev.check_usable()
         with self._lock:
-            self._events[handle] = [None]
+            handle = self._handles.take("event")
+            self._events[handle] = SimEvent(dev.ordinal)
         return handle
 
     def destroy_event(self, event: int) -> None:
         with self._lock:
             if self._events.pop(event, None) is None:
-                raise _invalid("event", event)
+                raise sim_error(400, f"no simulated event has handle {event:#x}")
+            self._handles.release("event", event)
 
-    def _slot(self, event: int) -> list[_Point | None]:
-        slot = self._events.get(event)
-        if slot is None:
-            raise _invalid("event", event)
-        return slot
+    def _event(self, event: int) -> SimEvent:
+        found = self._events.get(event)
+        if found is None:
+            raise sim_error(400, f"no simulated event has handle {event:#x}")
+        return found
 
     def record(self, event: int, stream: int) -> None:
-        slot = self._slot(event)
-        point = _Point(stream)
-        self._enqueue(stream, ("mark", point))
-        slot[0] = point
+        ev = self._event(event)
+        target = self._resolve(stream)
+        device = target.device
+        if device.ordinal != ev.device:
+            raise sim_error(
+                400,
+                f"event {event:#x} belongs to device {ev.device}; stream {stream:#x} "
+                f"is on device {device.ordinal}",
+            )
+        device.check_usable()
+        if target.capture is not None:
+            self._captures.record_event(ev, target)
+            return
+        point = Point()
+        self._enqueue(target, ("mark", point))
+        ev.captured, ev.point = None, point
 
     def query(self, event: int) -> bool:
-        point = self._slot(event)[0]
-        if point is None:
-            return True
-        if not point.done.is_set():
-            return False
-        if point.error is not None:
-            _raise_copy(point.error)
-        return True
+        ev = self._event(event)
+        self._captures.check_event(ev, "cudaEventQuery")
+        self._check_unsafe("cudaEventQuery")
+        self._devices[ev.device].check_synchronizing()
+        point = ev.point
+        return point is None or point.done.is_set()
 
     def synchronize_event(self, event: int) -> None:
-        point = self._slot(event)[0]
-        if point is None:
-            return
-        point.done.wait()
-        if point.error is not None:
-            _raise_copy(point.error)
+        ev = self._event(event)
+        self._captures.check_event(ev, "cudaEventSynchronize")
+        self._check_unsafe("cudaEventSynchronize")
+        device = self._devices[ev.device]
+        device.check_synchronizing()
+        point = ev.point
+        if point is not None:
+            self._wait(point)
+        device.check_synchronizing()
 
     def stream_wait_event(self, stream: int, event: int) -> None:
-        point = self._slot(event)[0]
-        self._resolve(stream)
+        ev = self._event(event)
+        target = self._resolve(stream)
+        target.device.check_usable()
+        if ev.captured is not None or target.capture is not None:
+            self._captures.wait(target, ev)
+            return
+        point = ev.point
         if point is not None:
-            self._enqueue(stream, ("wait", point))
+            self._enqueue(target, ("wait", point))
+        elif target is target.device.legacy:
+            self._captures.check_legacy(target.device)
 
-    def current_device(self) -> int:
-        return 0
+    # -- graph capture -----------------------------------------------------------
+
+    def begin_capture(self, stream: int, mode: CaptureMode) -> None:
+        _check_mode(mode)
+        target = self._resolve(stream)
+        target.device.check_usable()
+        self._captures.begin(target, mode)
+
+    def end_capture(self, stream: int) -> int:
+        return self._captures.end(self._resolve(stream))
+
+    def capture_status(self, stream: int) -> CaptureStatus:
+        return self._captures.status(self._resolve(stream))
+
+    def exchange_capture_mode(self, mode: CaptureMode) -> CaptureMode:
+        _check_mode(mode)
+        state = self._state()
+        previous, state.capture_mode = state.capture_mode, mode
+        return previous
+
+    def instantiate_graph(self, graph: int) -> int:
+        return self._captures.instantiate(graph)
+
+    def launch_graph(self, graph_exec: int, stream: int) -> None:
+        found = self._captures.executable(graph_exec)
+        target = self._resolve(stream)
+        device = target.device
+        if device.ordinal != found.device:
+            raise sim_error(400, f"the graph belongs to device {found.device}")
+        if target.capture is not None:  # a graph launched into a capture: a child graph
+            self._enqueue(target, ("graph", found, device.epoch))
+            return
+        done = Point()
+        last = found.last  # launches of one graph run one at a time
+        if last is not None and not last.done.is_set():
+            self._enqueue(target, ("wait", last), ("graph", found, device.epoch), ("mark", done))
+        else:
+            self._enqueue(target, ("graph", found, device.epoch), ("mark", done))
+        found.last = done
+
+    def destroy_graph(self, graph: int) -> None:
+        self._captures.destroy(graph)
+
+    def destroy_graph_exec(self, graph_exec: int) -> None:
+        self._captures.destroy_executable(graph_exec)
 
     def close(self) -> None:
         """Stop every worker after it drains its FIFO (bounded wait)."""
         self.closing = True
         locked = self._lock.acquire(timeout=2.0)  # bounded even if a thread is stuck
         try:
-            streams = [self._legacy, *self._streams.values(), *self._all_per_thread]
+            streams = [*self._streams.values()]
+            for device in self._devices:
+                streams.append(device.legacy)
+                streams.extend(list(device.blocking))
         finally:
             if locked:
                 self._lock.release()
