@@ -57,14 +57,17 @@ def _default_backend() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _no_sticky_fault_leaks() -> Iterator[None]:
-    """A kernel that raised poisons its simulated device until ``sim.reset()``, as
-    a device-side fault does on a GPU: a test that faults a device on purpose must
-    not fail every later test, so each faulted device is reset after the test."""
+    """Test isolation on the simulator: each test's work has run before the next
+    starts, and a device faulted on purpose (a kernel that raised poisons its
+    device until ``sim.reset()``, as a device-side fault does) is reset."""
     yield
     from cai_streams._backend._sim import SimBackend
 
     for backend in list(_backend._instances.values()):
         if isinstance(backend, SimBackend):
+            # the caching allocator hands a freed block out at once: a test's
+            # leftover kernels must not write into the next test's arrays
+            assert backend.drain(timeout=30), "simulated work still running after 30 s"
             for device in backend._devices:
                 if device.fault is not None:
                     backend.reset(device.ordinal)

@@ -122,13 +122,30 @@ class SimBackend(Backend):
         self._ordinals = itertools.count()
         self._local = threading.local()
         self._streams: dict[int, SimStream] = {}
+        #: every stream whose worker may still run (destroyed ones drain first)
+        self._every_stream: weakref.WeakSet[SimStream] = weakref.WeakSet()
         self._events: dict[int, SimEvent] = {}
         self._devices = [Device(self, i) for i in range(sim_devices())]
 
     def new_stream(self, handle: int, device: Device, *, blocking: bool) -> SimStream:
         """A stream object; its worker starts on ``start()`` or its first push."""
         seed = f"{self.seed}:{next(self._ordinals)}"
-        return SimStream(self, handle, device, blocking=blocking, seed=seed)
+        stream = SimStream(self, handle, device, blocking=blocking, seed=seed)
+        self._every_stream.add(stream)
+        return stream
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Block until every stream's queued work has run, destroyed streams
+        included (their workers still drain), or ``timeout`` passes; whether all
+        did. For test isolation: freed blocks go back to the pool at once, so a
+        test's leftover kernels could write into the next test's arrays."""
+        deadline = time.monotonic() + timeout
+        for stream in list(self._every_stream):
+            while not stream.is_idle():
+                if time.monotonic() > deadline or self.closing:
+                    return False
+                time.sleep(0.001)
+        return True
 
     # -- devices ---------------------------------------------------------------
 

@@ -131,9 +131,9 @@ _Op = tuple[Any, ...]
 class SimStream:
     """One stream: a FIFO of operations and the worker thread that drains it."""
 
-    __slots__ = ("_backend", "_closed", "_cv", "_drained", "_ops", "_reclaimed", "_rng",
-                 "_running", "_thread", "blocking", "capture", "device", "handle",
-                 "tail")  # fmt: skip
+    __slots__ = ("__weakref__", "_backend", "_closed", "_cv", "_drained", "_ops",
+                 "_reclaimed", "_rng", "_running", "_thread", "blocking", "capture",
+                 "device", "handle", "tail")  # fmt: skip
 
     def __init__(
         self, backend: SimBackend, handle: int, device: Device, *, blocking: bool, seed: str
