@@ -77,6 +77,7 @@ if __package__ in (None, ""):  # run as a script (the numba subprocess)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cai_streams as cs  # noqa: E402
+from benchmarks.bench_consume import _CountingQuery  # noqa: E402
 from benchmarks.cuda_device import Device, drain  # noqa: E402
 from benchmarks.report import describe
 
@@ -165,26 +166,6 @@ def methods() -> dict[str, Method[Any]]:
         "poll 1 ms": Method(_record, _poll_1ms, close=_close),
         "blocking": Method(_record, _blocking, blocking=True, close=_close),
     }
-
-
-class _CountingQuery:
-    """Counts every event query the backend answers during a run."""
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self.original = backend.query
-        self.count = 0
-
-    def __enter__(self) -> _CountingQuery:
-        def query(event: int) -> bool:
-            self.count += 1
-            return bool(self.original(event))
-
-        self.backend.query = query
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        del self.backend.query
 
 
 #: events (each after its own kernel) that may be pending on one gated stream:

@@ -189,8 +189,7 @@ class _UntrackedHost(_Handoff):
         backend, producer = self.sched.backend, self.view.stream
         assert producer is not None
         self.view = self.view.with_stream(None)
-        query_stream = getattr(backend, "query_stream", None)
-        if query_stream is not None and query_stream(producer):
+        if backend.query_stream(producer):
             return None  # idle: the data is ready now, and no event is spent
         pool = self.sched.pool
         event = pool.acquire()

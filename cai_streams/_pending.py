@@ -196,8 +196,7 @@ class PendingWork:
         handle = stream_of(obj)
         if handle is None:
             return None
-        query_stream = getattr(self.backend, "query_stream", None)
-        if query_stream is not None and query_stream(handle):
+        if self.backend.query_stream(handle):
             return None
         return Stream._borrow(handle, self.backend, None)
 
