@@ -16,7 +16,11 @@ from ._consume import consume as consume
 from ._consume import consume_all as consume_all
 from ._consume import consume_blocking as consume_blocking
 from ._consume import consuming as consuming
+from ._device import current_device as current_device
+from ._device import device_count as device_count
+from ._device import set_device as set_device
 from ._errors import CaiStreamsError as CaiStreamsError
+from ._errors import CaptureError as CaptureError
 from ._errors import CudaError as CudaError
 from ._errors import CudaWarning as CudaWarning
 from ._errors import HazardError as HazardError
@@ -42,6 +46,7 @@ __all__ = (
     "ArrayView",
     "Backend",
     "CaiStreamsError",
+    "CaptureError",
     "CudaError",
     "CudaWarning",
     "Event",
@@ -58,12 +63,15 @@ __all__ = (
     "consume_blocking",
     "consuming",
     "current_backend",
+    "current_device",
+    "device_count",
     "export",
     "happens_after",
     "happens_before",
     "read_interface",
     "sanitize",
     "sanitizing",
+    "set_device",
     "sim",
     "stats",
     "trace",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "CaiStreamsError",
+    "CaptureError",
     "CudaError",
     "CudaWarning",
     "HazardError",
@@ -54,6 +55,21 @@ class KernelError(CudaError):
         self.kernel = kernel
         self.stream = stream
         self.__cause__ = cause
+
+
+class CaptureError(CudaError):
+    """A library call that cannot be made on a stream that is capturing a graph.
+
+    Raised before anything is enqueued or queried, so the capture stays valid.
+    The message names the call, the capturing stream and what to do instead
+    (usually: pass ``stream=`` so the wait becomes a graph edge, or consume
+    after ``end_capture()`` and ``Graph.launch``). ``code`` and ``name`` are
+    those of the driver error the call would have caused
+    (``cudaErrorStreamCaptureUnsupported``, 900).
+    """
+
+    def __init__(self, message: str, *, code: int = 900) -> None:
+        super().__init__(code, "cudaErrorStreamCaptureUnsupported", message)
 
 
 class HazardError(CaiStreamsError, RuntimeError):

@@ -1,0 +1,41 @@
+"""The devices of the current backend: how many, and this thread's current one.
+
+Thin wrappers over the backend (cudaGetDeviceCount, cudaGetDevice,
+cudaSetDevice on a GPU; the simulator's ``CAI_STREAMS_SIM_DEVICES`` devices
+otherwise). None of them blocks.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from ._backend import current_backend
+
+__all__ = ["current_device", "device_count", "set_device"]
+
+
+def device_count() -> int:
+    """How many devices the current backend has. Does not block."""
+    return current_backend().device_count()
+
+
+def current_device() -> int:
+    """This host thread's current device (0 in a new thread). Does not block."""
+    return current_backend().current_device()
+
+
+def set_device(device: int) -> None:
+    """Make ``device`` this host thread's current device, like cudaSetDevice.
+
+    Other threads keep theirs. New streams (``Stream()``), events and
+    ``sim.empty()`` arrays go to the current device unless given one. A
+    ``device`` that is not an int raises TypeError; one out of range raises
+    :class:`CudaError` (``cudaErrorInvalidDevice``). Does not block.
+    """
+    if isinstance(device, bool):
+        raise TypeError("device must be an int, got bool")
+    try:
+        ordinal = operator.index(device)
+    except TypeError:
+        raise TypeError(f"device must be an int, got {type(device).__name__}") from None
+    current_backend().set_device(ordinal)
