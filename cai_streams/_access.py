@@ -24,7 +24,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
-from ._events import EventPool, Mark, record
+from ._events import EventPool, Mark, pool_for, record
 from ._identity import StreamId, thread_serial
 from ._stream import Stream
 
@@ -66,7 +66,6 @@ class Buffer(Protocol):
     """What an access needs of the buffer state that holds it (``PendingWork``)."""
 
     backend: Backend
-    pool: EventPool
     counters: Counters
     group: int
 
@@ -89,6 +88,7 @@ class Access:
         "kind",
         "mark",
         "pins",
+        "pool",
         "state",
         "stream",
         "waited_by",
@@ -108,6 +108,7 @@ class Access:
         self.event = 0
         self.mark: Mark | None = None
         self.pins = 0
+        self.pool: EventPool | None = None  # the pool of the event's device, once recorded
         self.waited_by: set[StreamId] = set()
 
     @classmethod
@@ -131,14 +132,16 @@ class Access:
 
     def _record(self, on: StreamId | None = None) -> None:
         self.stream.handle  # noqa: B018 - a closed stream refuses
-        pool = self.work.pool
+        key = self.key if on is None else on
+        pool = pool_for(self.work.backend, key.device)  # an event of the stream's device
         event = pool.acquire()
         try:
-            self.mark = record(self.work.backend, event, self.key if on is None else on)
+            self.mark = record(self.work.backend, event, key)
         except BaseException:
             pool.release(event)
             raise
         self.event = event
+        self.pool = pool
         self.state = AccessState.RECORDED
 
     def materialize(self) -> None:
@@ -182,8 +185,8 @@ class Access:
 
     def _give_back(self) -> None:
         event, self.event = self.event, 0
-        if event:
-            self.work.pool.release(event, self.stream)
+        if event and self.pool is not None:
+            self.pool.release(event, self.stream)
 
     def _forget_lifetime(self) -> None:
         lifetime = self.stream._lifetime

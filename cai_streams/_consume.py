@@ -50,7 +50,8 @@ from ._access import Access
 from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_async, wait_block_sync
 from ._config import settings
-from ._events import Mark, record
+from ._device import device_of
+from ._events import EventPool, Mark, pool_for, record
 from ._identity import stream_id_now
 from ._interface import ArrayView, byte_range, parse
 from ._pending import PendingWork
@@ -184,6 +185,7 @@ class _TrackedOptOut(_Tracked):
 
 class _UntrackedHost(_Handoff):
     mode = Mode.UNTRACKED_HOST
+    pool: EventPool
 
     def begin(self, me: Owner) -> Blocked | None:
         backend, producer = self.sched.backend, self.view.stream
@@ -191,10 +193,11 @@ class _UntrackedHost(_Handoff):
         self.view = self.view.with_stream(None)
         if backend.query_stream(producer):
             return None  # idle: the data is ready now, and no event is spent
-        pool = self.sched.pool
+        key = stream_id_now(backend, producer)
+        pool = self.pool = pool_for(backend, key.device)  # an event of the producer's device
         event = pool.acquire()
         try:
-            mark = record(backend, event, stream_id_now(backend, producer))
+            mark = record(backend, event, key)
         except BaseException:
             pool.release(event)
             raise
@@ -204,7 +207,7 @@ class _UntrackedHost(_Handoff):
     def finish(self, *, complete: bool) -> None:
         events, self.events = self.events, []
         for event, _ in events:
-            self.sched.pool.release(event, self.view)  # the owner lives until it completes
+            self.pool.release(event, self.view)  # the owner lives until it completes
         self._declare_host_read(complete)
 
 
@@ -269,17 +272,16 @@ def _handoff(obj: object, stream: object, sync: object, backend: Backend) -> _Ha
     """Choose the row for ``obj``: validation and lookups only, no effects."""
     synced = _sync_flag(sync)
     s = None if stream is None else as_stream(stream, backend)
-    sched = scheduler_for(backend)
     found = lookup(obj, backend)
     if found is not None:
         work, view = found
         mode = plan(tracked=True, producer_stream=None, stream=s, synced=synced)
         row = _ROWS[mode]
         assert issubclass(row, _Tracked)
-        return row(sched, view, s, work)
+        return row(scheduler_for(backend, work.device), view, s, work)
     view = parse(obj)
     mode = plan(tracked=False, producer_stream=view.stream, stream=s, synced=synced)
-    return _ROWS[mode](sched, view, s)
+    return _ROWS[mode](scheduler_for(backend, device_of(backend, view)), view, s)
 
 
 def _handoffs(objs: Sequence[object], stream: object, sync: object) -> list[_Handoff]:

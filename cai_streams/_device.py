@@ -8,10 +8,14 @@ otherwise). None of them blocks.
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING
 
-from ._backend import current_backend
+from ._backend import Backend, current_backend
 
-__all__ = ["current_device", "device_count", "set_device"]
+if TYPE_CHECKING:
+    from ._interface import ArrayView
+
+__all__ = ["current_device", "device_count", "device_of", "set_device"]
 
 
 def device_count() -> int:
@@ -39,3 +43,15 @@ def set_device(device: int) -> None:
     except TypeError:
         raise TypeError(f"device must be an int, got {type(device).__name__}") from None
     current_backend().set_device(ordinal)
+
+
+def device_of(backend: Backend, view: ArrayView) -> int:
+    """The device whose memory ``view`` points into (cudaPointerGetAttributes);
+    the calling thread's current device for a zero-size array, or for memory
+    the backend does not know as device memory. Does not block."""
+    if view.ptr:
+        try:
+            return backend.pointer_device(view.ptr)
+        except ValueError:
+            pass
+    return backend.current_device()

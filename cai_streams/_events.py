@@ -12,7 +12,7 @@ from ._backend import Backend
 from ._errors import CudaError, CudaWarning
 from ._identity import StreamId
 
-__all__ = ["EventPool", "Mark", "record"]
+__all__ = ["EventPool", "Mark", "pool_for", "pools_of", "record"]
 
 _order = itertools.count()
 
@@ -53,8 +53,9 @@ class EventPool:
     (see ``_pending.Access``).
     """
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, device: int = 0) -> None:
         self._backend = backend
+        self.device = device
         self._lock = threading.Lock()
         self._free: list[int] = []
         self._draining: deque[tuple[int, object]] = deque()
@@ -68,7 +69,7 @@ class EventPool:
             if self._free:
                 self.acquired += 1
                 return self._free.pop()
-        event = self._backend.create_event()  # may raise: count only what exists
+        event = self._backend.create_event(self.device)  # may raise: count only what exists
         with self._lock:
             self.created += 1
             self.acquired += 1
@@ -117,3 +118,25 @@ class EventPool:
     def in_flight(self) -> int:
         """Events handed out, or released but not yet complete."""
         return self.created - self.destroyed - len(self._free)
+
+
+_pools: dict[tuple[Backend, int], EventPool] = {}
+_pools_lock = threading.Lock()
+
+
+def pool_for(backend: Backend, device: int) -> EventPool:
+    """The event pool of ``backend``'s ``device``: an event records only on
+    streams of its own device (cudaErrorInvalidResourceHandle otherwise), so
+    each device has its own pool. Does not block."""
+    found = _pools.get((backend, device))
+    if found is None:
+        with _pools_lock:
+            found = _pools.get((backend, device))
+            if found is None:
+                found = _pools[(backend, device)] = EventPool(backend, device)
+    return found
+
+
+def pools_of(backend: Backend) -> list[EventPool]:
+    """Every event pool made so far for ``backend`` (one per device used)."""
+    return [pool for (b, _), pool in list(_pools.items()) if b is backend]

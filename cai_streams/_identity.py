@@ -156,10 +156,11 @@ class Lifetime:
     stream is destroyed, so closing a consumer's stream never loses it.
     """
 
-    __slots__ = ("_closing", "_listeners", "_lock", "closed", "generation", "key")
+    __slots__ = ("_closing", "_listeners", "_lock", "closed", "device", "generation", "key")
 
-    def __init__(self, key: tuple[int, int, int]) -> None:
+    def __init__(self, key: tuple[int, int], device: int) -> None:
         self.key = key
+        self.device = device
         self.generation = next(_generations)
         self.closed = False
         self._closing = False
@@ -195,31 +196,33 @@ class Lifetime:
                 del _owned[self.key]
 
 
-_owned: dict[tuple[int, int, int], Lifetime] = {}
+# A live stream's handle is unique in the process (CUDA's are addresses), so
+# owned streams are keyed by backend and handle; each knows its device.
+_owned: dict[tuple[int, int], Lifetime] = {}
 
 
 def new_lifetime(backend: Backend, device: int, handle: int) -> Lifetime:
-    """A stream was just created with ``handle``: it is a new stream, whatever
-    stream had that handle before."""
-    key = (backend_serial(backend), device, handle)
-    lifetime = Lifetime(key)
+    """A stream was just created with ``handle`` on ``device``: it is a new
+    stream, whatever stream had that handle before."""
+    key = (backend_serial(backend), handle)
+    lifetime = Lifetime(key, device)
     with _lock:
         _owned[key] = lifetime
     return lifetime
 
 
-def lifetime_of(backend: Backend, device: int, handle: int) -> Lifetime | None:
+def lifetime_of(backend: Backend, handle: int) -> Lifetime | None:
     """The open stream this library made with ``handle``, if there is one."""
-    return _owned.get((backend_serial(backend), device, handle))
+    return _owned.get((backend_serial(backend), handle))
 
 
-def stream_id_now(backend: Backend, handle: int, device: int | None = None) -> StreamId:
+def stream_id_now(backend: Backend, handle: int) -> StreamId:
     """The identity ``handle`` has for work the calling thread enqueues now."""
-    if device is None:
-        device = backend.current_device()
     if handle == PER_THREAD_DEFAULT_STREAM:
-        return StreamId(backend, device, handle, 0, thread_serial())
+        return StreamId(backend, backend.current_device(), handle, 0, thread_serial())
     if handle == LEGACY_DEFAULT_STREAM:
-        return StreamId(backend, device, handle, 0, 0)
-    lifetime = _owned.get((backend_serial(backend), device, handle))
-    return StreamId(backend, device, handle, 0 if lifetime is None else lifetime.generation, 0)
+        return StreamId(backend, backend.current_device(), handle, 0, 0)
+    lifetime = _owned.get((backend_serial(backend), handle))
+    if lifetime is not None:
+        return StreamId(backend, lifetime.device, handle, lifetime.generation, 0)
+    return StreamId(backend, backend.stream_device(handle), handle, 0, 0)

@@ -148,6 +148,16 @@ class ArrayView:
         )
 
     @property
+    def device(self) -> int:
+        """The device where the data lives, asked of the current backend by
+        pointer (cudaPointerGetAttributes on a GPU); for a zero-size array the
+        current device. Does not block."""
+        from ._backend import current_backend
+        from ._device import device_of
+
+        return device_of(current_backend(), self)
+
+    @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         cai = self._cai
         if cai is None:

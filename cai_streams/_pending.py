@@ -30,7 +30,6 @@ from ._access import Access, AccessState, Counters, Kind
 from ._backend import Backend
 from ._blocks import Blocked, OpenBlock, Owner
 from ._config import settings
-from ._events import EventPool
 from ._identity import StreamId
 from ._interface import ArrayView, byte_range, stream_of
 from ._stream import Stream
@@ -72,12 +71,12 @@ class PendingWork:
         "backend",
         "blocks",
         "counters",
+        "device",
         "export_stream",
         "group",
         "key",
         "layout",
         "lock",
-        "pool",
         "reads",
         "wrapper",
         "writes",
@@ -89,7 +88,7 @@ class PendingWork:
         layout: ArrayView,
         export_stream: Stream,
         backend: Backend,
-        pool: EventPool,
+        device: int,
         counters: Counters,
         on_collected: Callable[[PendingWork], None],
     ) -> None:
@@ -111,7 +110,7 @@ class PendingWork:
         self.layout = layout  # the view without an owner
         self.export_stream = export_stream
         self.backend = backend
-        self.pool = pool
+        self.device = device  # where the buffer lives
         self.counters = counters
         self.lock = threading.Lock()
         self.writes: list[Access] = []

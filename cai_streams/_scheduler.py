@@ -18,14 +18,14 @@ from . import _sanitizer
 from ._access import Counters
 from ._backend import Backend, current_backend
 from ._errors import CudaError
-from ._events import EventPool, record
+from ._events import pool_for, pools_of, record
 from ._identity import StreamId
 from ._interface import ArrayView, byte_range
 from ._pending import PendingWork
 from ._poller import counters as poll_counters
 from ._stream import Stream
 
-__all__ = ["Scheduler", "scheduler_for", "stats"]
+__all__ = ["Scheduler", "find_work", "scheduler_for", "schedulers_of", "stats"]
 
 
 class Scheduler:
@@ -34,7 +34,7 @@ class Scheduler:
     def __init__(self, backend: Backend, device: int) -> None:
         self.backend = backend
         self.device = device
-        self.pool = EventPool(backend)
+        self.pool = pool_for(backend, device)
         self.counters = Counters()
         self.lock = threading.Lock()  # the registry and the export stream: bookkeeping only
         self.buffers: dict[int, PendingWork] = {}
@@ -48,19 +48,20 @@ class Scheduler:
         if stream is None:
             with self.lock:
                 if self._export_stream is None:
-                    self._export_stream = Stream()
+                    self._export_stream = Stream(self.device)
                 stream = self._export_stream
         return stream
 
     def join(self, waiter: int, producer: StreamId, *, keepalive: object) -> None:
         """Stream ``waiter`` waits for all work enqueued so far on ``producer``
         (one pooled event, recorded now; ``keepalive`` lives until it completes)."""
-        event = self.pool.acquire()
+        pool = pool_for(self.backend, producer.device)  # recorded on the producer's device
+        event = pool.acquire()
         try:
             record(self.backend, event, producer)
-            self.backend.stream_wait_event(waiter, event)
+            self.backend.stream_wait_event(waiter, event)  # legal across devices
         finally:
-            self.pool.release(event, keepalive)
+            pool.release(event, keepalive)
 
     def declare_stream_read(self, s: Stream, view: ArrayView, what: str) -> None:
         """Tell the sanitizer that work enqueued on ``s`` from now reads ``view``."""
@@ -95,7 +96,7 @@ class Scheduler:
                 layout,
                 x,
                 self.backend,
-                self.pool,
+                self.device,
                 self.counters,
                 self._on_collected,
             )
@@ -159,8 +160,23 @@ def scheduler_for(backend: Backend, device: int | None = None) -> Scheduler:
     return found
 
 
+def schedulers_of(backend: Backend) -> list[Scheduler]:
+    """Every scheduler made so far for ``backend`` (one per device used)."""
+    return [sched for (b, _), sched in list(_schedulers.items()) if b is backend]
+
+
+def find_work(backend: Backend, obj: object) -> PendingWork | None:
+    """The pending work of ``obj`` on whichever device it is tracked. Does not block."""
+    for sched in schedulers_of(backend):
+        work = sched.work_of(obj)
+        if work is not None:
+            return work
+    return None
+
+
 def stats() -> dict[str, int]:
-    """Counters of the current backend's scheduler (for tests and benchmarks).
+    """Counters of the current backend, summed over its devices (for tests and
+    benchmarks).
 
     ``events_created``, ``events_acquired`` (handed out: the difference was
     reused), ``events_pooled`` (free for reuse), ``events_in_flight``
@@ -171,22 +187,25 @@ def stats() -> dict[str, int]:
     every event loop, ``poll_passes``, ``poll_queries`` (event queries made)
     and ``poll_wakes`` (waiters woken). Does not block.
     """
-    sched = scheduler_for(current_backend())
-    sched.collect()
-    sched.pool.reclaim()
-    c = sched.counters
+    backend = current_backend()
+    scheds = schedulers_of(backend) or [scheduler_for(backend)]
+    pools = pools_of(backend)
+    for sched in scheds:
+        sched.collect()
+    for pool in pools:
+        pool.reclaim()
     return {
         "poll_passes": poll_counters.passes,
         "poll_queries": poll_counters.queries,
         "poll_wakes": poll_counters.wakes,
-        "events_created": sched.pool.created,
-        "events_acquired": sched.pool.acquired,
-        "events_pooled": sched.pool.free,
-        "events_in_flight": sched.pool.in_flight,
-        "events_pinned": c.pinned,
-        "joins": c.joins,
-        "waits": c.waits,
-        "waits_elided": c.elided,
-        "exports": c.exports,
-        "tracked": len(sched.buffers),
+        "events_created": sum(p.created for p in pools),
+        "events_acquired": sum(p.acquired for p in pools),
+        "events_pooled": sum(p.free for p in pools),
+        "events_in_flight": sum(p.in_flight for p in pools),
+        "events_pinned": sum(s.counters.pinned for s in scheds),
+        "joins": sum(s.counters.joins for s in scheds),
+        "waits": sum(s.counters.waits for s in scheds),
+        "waits_elided": sum(s.counters.elided for s in scheds),
+        "exports": sum(s.counters.exports for s in scheds),
+        "tracked": sum(len(s.buffers) for s in scheds),
     }

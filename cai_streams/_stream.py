@@ -19,6 +19,7 @@ from ._identity import (
     backend_serial,
     lifetime_of,
     new_lifetime,
+    stream_id_now,
     thread_serial,
 )
 from ._poller import wait_for_event
@@ -135,24 +136,25 @@ class Stream:
 
         Does not block; enqueues nothing.
         """
-        backend = current_backend()
-        current = backend.current_device()
-        if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
-            raise TypeError(f"device must be None or an int, got {type(device).__name__}")
-        if device is not None and device != current:
-            raise ValueError(
-                f"device {device} is not this thread's current device ({current}): "
-                "streams are made on the current device"
-            )
         self._owned = False  # until the stream exists: __del__ must not destroy anything
         self._closed = True
+        backend = current_backend()
+        if device is None:
+            device = backend.current_device()
+        elif isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"device must be None or an int, got {type(device).__name__}")
+        elif not 0 <= device < backend.device_count():
+            raise ValueError(
+                f"device {device} does not exist: the {backend.name!r} backend has "
+                f"{backend.device_count()} device(s)"
+            )
         self._backend = backend
-        self._handle = backend.create_stream()
+        self._handle = backend.create_stream(device)
         self._owned = True
         self._closed = False
         self._keepalive = None
-        self._lifetime = lifetime = new_lifetime(backend, current, self._handle)
-        self._id = StreamId(backend, current, self._handle, lifetime.generation, 0)
+        self._lifetime = lifetime = new_lifetime(backend, device, self._handle)
+        self._id = StreamId(backend, device, self._handle, lifetime.generation, 0)
 
     @classmethod
     def wrap(cls, obj: object) -> Stream:
@@ -169,20 +171,14 @@ class Stream:
     def _borrow(cls, handle: int, backend: Backend, keepalive: object) -> Stream:
         if not backend.is_stream(handle):
             raise ValueError(f"{handle:#x} is not a stream on the {backend.name!r} backend")
-        device = backend.current_device()
         self = cls.__new__(cls)
         self._backend = backend
         self._handle = handle
         self._owned = False
         self._closed = False
         self._keepalive = keepalive
-        lifetime = None
-        if handle not in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM):
-            lifetime = lifetime_of(backend, device, handle)
-        self._lifetime = lifetime
-        generation = 0 if lifetime is None else lifetime.generation
-        thread = thread_serial() if handle == PER_THREAD_DEFAULT_STREAM else 0
-        self._id = StreamId(backend, device, handle, generation, thread)
+        self._id = key = stream_id_now(backend, handle)
+        self._lifetime = None if key.generation == 0 else lifetime_of(backend, handle)
         return self
 
     def _borrowed(self, keepalive: object) -> Stream:
@@ -408,11 +404,12 @@ class Event:
         self._backend = backend
         self._closed = True
         self._stream = stream
-        self._handle = backend.create_event()
+        stream.handle  # noqa: B018 - a closed stream refuses
+        key = stream._key()
+        self._handle = backend.create_event(key.device)  # events record on their device only
         self._closed = False
         try:
-            stream.handle  # noqa: B018 - a closed stream refuses
-            self._mark = record(backend, self._handle, stream._key())
+            self._mark = record(backend, self._handle, key)
         except BaseException:
             self.close()
             raise

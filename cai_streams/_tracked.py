@@ -19,10 +19,11 @@ from ._access import Kind
 from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_sync
 from ._config import settings
+from ._device import device_of
 from ._identity import stream_id_now
 from ._interface import ArrayView, parse
 from ._pending import PendingWork
-from ._scheduler import scheduler_for
+from ._scheduler import find_work, scheduler_for
 from ._stream import Stream, as_stream
 
 __all__ = ["TrackedArray", "export", "lookup", "track"]
@@ -177,7 +178,7 @@ def _wrapper(work: PendingWork, obj: object, layout: ArrayView, backend: Backend
         _setters["array"](t, obj)
         _setters["view"](t, layout._with_owner(obj))
         _setters["_work"](t, work)
-        sched = scheduler_for(backend)
+        sched = scheduler_for(backend, work.device)
         work_ref = weakref.ref(work)
 
         def gone(_: object) -> None:
@@ -202,11 +203,11 @@ def track(obj: object, stream: object = None) -> TrackedArray:
     if isinstance(obj, TrackedArray):
         return obj
     backend = current_backend()
-    sched = scheduler_for(backend)
     export_stream = None if stream is None else as_stream(stream, backend)
-    work = sched.work_of(obj)
+    work = find_work(backend, obj)
     if work is None:
         view = parse(obj)
+        sched = scheduler_for(backend, device_of(backend, view))  # the array's device
         work, made = sched.work_for(obj, view._with_owner(None), export_stream)
         if made:
             own = work.own_stream()
@@ -226,7 +227,7 @@ def lookup(obj: object, backend: Backend) -> tuple[PendingWork, ArrayView] | Non
     """The pending work of ``obj`` (or of a TrackedArray) and its view, if tracked."""
     if isinstance(obj, TrackedArray):
         return obj._work, obj.view
-    work = scheduler_for(backend).work_of(obj)
+    work = find_work(backend, obj)
     if work is None:
         return None
     return work, work.layout._with_owner(obj)
@@ -250,7 +251,7 @@ def export(obj: object, *, stream: object = None) -> dict[str, Any]:
     cai = view.with_stream(None).__cuda_array_interface__
     if not settings.export_stream or view.stream is None:
         return cai
-    sched = scheduler_for(backend)
+    sched = scheduler_for(backend, device_of(backend, view))  # the array's device
     x = sched.export_stream if stream is None else as_stream(stream, backend)
     sched.counters.add(exports=1)
     producer = stream_id_now(backend, view.stream)

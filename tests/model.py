@@ -389,8 +389,11 @@ class Runner:
     def __init__(self, n_own: int = 3, n_consumers: int = 3) -> None:
         self.n_own = n_own
         self.n_consumers = n_consumers
-        self.own = [cs.Stream() for _ in range(n_own)]
-        self.iface = cs.Stream()  # the untracked producers' stream: never closed
+        # streams and arrays are spread over the devices there are: every join
+        # may cross devices (an event of the producer's device, waited on anywhere)
+        self.devices = cs.device_count()
+        self.own = [cs.Stream(device=i % self.devices) for i in range(n_own)]
+        self.iface = cs.Stream(device=self.devices - 1)  # untracked producers': never closed
         self.workers = {name: _Worker(name) for name in WORKERS}
         self.backend = cs.current_backend()
 
@@ -446,13 +449,15 @@ class _State:
     def __init__(self, runner: Runner, seed: int) -> None:
         self.runner = runner
         self.rng = random.Random(seed)
-        self.consumers = [cs.Stream() for _ in range(runner.n_consumers)]
+        self.consumers = [
+            cs.Stream(device=(j + 1) % runner.devices) for j in range(runner.n_consumers)
+        ]
         self.closed_events: list[cs.Event] = []
         self.arrays: dict[str, sim.SimArray] = {}
         self.wrappers: dict[str, cs.TrackedArray | None] = {}
         self.oracle: dict[str, np.ndarray[Any, Any]] = {}
-        for name in ("B0", "B1", "U"):
-            arr = sim.asarray(np.zeros(N, np.int64))
+        for k, name in enumerate(("B0", "B1", "U")):
+            arr = sim.asarray(np.zeros(N, np.int64), device=k % runner.devices)
             self.arrays[name] = arr
             self.oracle[name] = np.zeros(N, np.int64)
         # the untracked producer names its stream from the start (as a Numba array
@@ -679,7 +684,7 @@ class _State:
         old = self.consumers[j]
         self.closed_events.append(old.record())  # the program's own end-of-run sync
         old.close()
-        self.consumers[j] = cs.Stream()
+        self.consumers[j] = cs.Stream(device=old.device)
 
     def sync_all(self) -> None:
         """Host-wait for every stream's work (before a write the library does not see)."""

@@ -408,8 +408,12 @@ def test_streams_carry_their_device_and_identity() -> None:
     s = cs.Stream()
     assert s.device == cs.current_backend().current_device()
     assert cs.Stream(device=s.device).device == s.device
-    with pytest.raises(ValueError, match="current device"):
-        cs.Stream(device=s.device + 1)
+    for d in range(cs.device_count()):  # any device, whatever the current one
+        other = cs.Stream(device=d)
+        assert other.device == d and cs.Stream.wrap(other.handle).device == d
+        assert cs.current_device() == s.device
+    with pytest.raises(ValueError, match="does not exist"):
+        cs.Stream(device=cs.device_count())
     with pytest.raises(TypeError):
         cs.Stream(device="0")  # type: ignore[arg-type]
     assert cs.Stream.wrap(s) == s and cs.Stream.wrap(s.handle) == s

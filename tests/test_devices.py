@@ -1,0 +1,229 @@
+"""The library across devices: events from the pool of the stream's device,
+a tracked array's export stream on its own device, and consumers on one device
+ordered after producers on another (a stream may wait on any device's event).
+
+Ordering is shown with data: a latch holds the producer's stream, so a missing
+wait reads the wrong values; each test has a control that reads them. Every
+test needs two devices and is skipped, with the reason, where the backend has
+one (``CAI_STREAMS_SIM_DEVICES=1``, a one-GPU machine).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import cai_streams as cs
+
+from .device_ops import DeviceOps
+
+pytestmark = pytest.mark.anyio
+
+N = 64
+
+
+@pytest.fixture(autouse=True)
+def _two_devices(backend: cs.Backend) -> None:
+    if backend.device_count() < 2:
+        pytest.skip(f"{backend.name}: one device; these handoffs need two")
+
+
+@contextmanager
+def on_device(device: int) -> Iterator[None]:
+    previous = cs.current_device()
+    cs.set_device(device)
+    try:
+        yield
+    finally:
+        cs.set_device(previous)
+
+
+class Reporting:
+    """An untracked producer whose interface names the stream it wrote on."""
+
+    def __init__(self, arr: Any, stream: cs.Stream) -> None:
+        self.arr = arr
+        self.stream = stream
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        view = cs.read_interface(self.arr)
+        return view.with_stream(self.stream.handle).__cuda_array_interface__
+
+
+def _settled(*streams: cs.Stream) -> int:
+    for s in streams:
+        s.synchronize()
+    gc.collect()
+    return cs.stats()["events_in_flight"]
+
+
+def test_set_device_is_this_threads_only() -> None:
+    seen: list[int] = []
+    with on_device(1):
+        assert cs.current_device() == 1
+        thread = threading.Thread(target=lambda: seen.append(cs.current_device()))
+        thread.start()
+        thread.join(10)
+    assert seen == [0] and cs.current_device() == 0
+    with pytest.raises(cs.CudaError):
+        cs.set_device(cs.device_count())
+    with pytest.raises(TypeError):
+        cs.set_device("1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        cs.set_device(True)
+
+
+def test_streams_events_and_views_know_their_device(ops: DeviceOps) -> None:
+    with on_device(1):
+        arr = ops.array(np.zeros(N, np.float32))
+        here = cs.Stream()
+    s1 = cs.Stream(device=1)
+    assert here.device == 1 and s1.device == 1 and cs.Stream().device == 0
+    assert cs.Stream.wrap(s1.handle).device == 1  # borrowed: the stream's own device
+    assert cs.read_interface(arr).device == 1
+    event = s1.record()  # an event of the stream's device, or the record would fail
+    event.synchronize()
+    assert event.is_done
+
+
+def test_a_tracked_array_exports_a_stream_of_its_own_device(
+    backend: cs.Backend, ops: DeviceOps
+) -> None:
+    with on_device(1):
+        arr = ops.array(np.zeros(N, np.float32))
+    t = cs.track(arr)  # tracked from device 0
+    assert t.export_stream.device == 1
+    producer = cs.Stream(device=1)
+    latch = ops.latch(producer)
+    with t.writing(producer):
+        ops.fill(producer, arr, 5.0)
+    handle = t.__cuda_array_interface__["stream"]
+    assert handle == t.export_stream.handle and backend.stream_device(handle) == 1
+    latch.release()
+    t.export_stream.synchronize()
+    np.testing.assert_array_equal(ops.to_host(arr), 5.0)
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["joined", "control-sync-off"])
+def test_a_consumer_on_device_0_waits_for_a_producer_on_device_1(
+    ops: DeviceOps, sync: bool
+) -> None:
+    with on_device(1):
+        arr = ops.array(np.zeros(N, np.float32))
+    out = ops.array(np.full(N, -1.0, np.float32))  # device 0
+    producer, consumer = cs.Stream(device=1), cs.Stream(device=0)
+    base = _settled(producer, consumer)
+    latch = ops.latch(producer)
+    ops.fill(producer, arr, 7.0)
+    with cs.sanitize(sync):  # the control races on purpose
+        view = cs.consume_blocking(Reporting(arr, producer), stream=consumer, sync=sync)
+        ops.copy(consumer, out, view)
+    if sync:
+        assert not consumer.record().is_done  # held behind the producer's latch
+    else:
+        consumer.synchronize()  # the control ran without waiting for it
+    latch.release()
+    consumer.synchronize()
+    expected = 7.0 if sync else 0.0  # the control copies before the producer wrote
+    np.testing.assert_array_equal(ops.to_host(out), expected)
+    assert _settled(producer, consumer) == base
+
+
+@pytest.mark.parametrize("tracked", [True, False], ids=["tracked", "control-untracked"])
+def test_two_devices_each_fill_half_and_one_consumer_reads_the_whole(
+    ops: DeviceOps, tracked: bool
+) -> None:
+    """The multi-device example as a test: disjoint writes on streams of two
+    devices, joined onto a consumer stream on device 0."""
+    halves = []
+    for d in range(2):
+        with on_device(d):
+            halves.append(ops.array(np.zeros(N // 2, np.float32)))
+    writers = [cs.Stream(device=0), cs.Stream(device=1)]
+    consumer = cs.Stream(device=0)
+    latches = [ops.latch(w) for w in writers]
+    views = []
+    racy = cs.sanitize(tracked)  # the control races on purpose
+    racy.__enter__()
+    for i, (w, half) in enumerate(zip(writers, halves, strict=True)):
+        if tracked:
+            t = cs.track(half)
+            with t.writing(w):
+                ops.fill(w, half, float(i + 1))
+            views.append(cs.consume_blocking(t, stream=consumer))
+        else:  # nothing names the writer's stream: nothing is waited for
+            ops.fill(w, half, float(i + 1))
+            views.append(cs.consume_blocking(half, stream=consumer))
+    sums = [ops.array(np.full(1, -1.0, np.float32)) for _ in range(2)]
+    for total, view in zip(sums, views, strict=True):
+        ops.sum_into(consumer, total, view)
+    racy.__exit__(None, None, None)
+    if tracked:
+        assert not consumer.record().is_done  # held behind the producers' latches
+    else:
+        consumer.synchronize()  # the control ran without waiting for them
+    for latch in latches:
+        latch.release()
+    consumer.synchronize()
+    got = [float(ops.to_host(total)[0]) for total in sums]
+    assert got == ([N // 2 * 1.0, N // 2 * 2.0] if tracked else [0.0, 0.0])
+
+
+async def test_host_consume_of_another_devices_array_waits_without_blocking(
+    ops: DeviceOps,
+) -> None:
+    with on_device(1):
+        arr = ops.array(np.zeros(N, np.float32))
+    producer = cs.Stream(device=1)
+    base = _settled(producer)
+    latch = ops.latch(producer)
+    t = cs.track(arr)
+    with t.writing(producer):
+        ops.fill(producer, arr, 3.0)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0.001)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        with anyio.move_on_after(0.05) as early:
+            await cs.consume(t)
+        assert early.cancelled_caught  # held: not ready
+        latch.release()
+        view = await cs.consume(t, timeout=20)
+        tg.cancel_scope.cancel()
+    assert ticks > 5  # the loop ran while the consumer waited
+    assert view.stream is None
+    np.testing.assert_array_equal(ops.to_host(arr), 3.0)
+    assert _settled(producer) == base
+
+
+def test_stats_count_every_devices_events(ops: DeviceOps) -> None:
+    """Work only on device 1, asked from device 0: its events are counted,
+    and all of them come back."""
+    s1, other = cs.Stream(device=1), cs.Stream(device=1)
+    base = _settled(s1, other)
+    with on_device(1):
+        arr = ops.array(np.zeros(N, np.float32))
+    latch = ops.latch(s1)
+    t = cs.track(arr)
+    with t.writing(s1):
+        ops.fill(s1, arr, 1.0)
+    cs.export(t, stream=other)
+    assert cs.current_device() == 0
+    assert cs.stats()["events_in_flight"] > base  # device 1's pool, counted from device 0
+    latch.release()
+    del t, arr  # their pending accesses hold their events while they live
+    assert _settled(s1, other) == base
