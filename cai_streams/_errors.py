@@ -38,12 +38,15 @@ class CudaError(CaiStreamsError, RuntimeError):
 
 
 class KernelError(CudaError):
-    """Work on a stream failed; the simulated device's launch failure.
+    """A kernel faulted; the simulated device's launch failure.
 
-    Raised by the first host synchronization of the stream that ran the failing
-    kernel, and by every event recorded on that stream after the failure (its
-    ``synchronize``, its ``is_done`` and any ``await`` on it). ``kernel`` names the
-    kernel; ``__cause__`` is the exception the kernel raised.
+    The fault is sticky for its device, as a device-side fault is on a GPU:
+    the next synchronizing call on that device (a query or synchronize of any
+    of its streams or events, so any ``await consume`` polling there) raises
+    it, and every call on the device after that does too, so every waiter on
+    the device hears of it. ``sim.reset()`` clears it on the simulator; other
+    devices are not affected. ``kernel`` names the kernel and ``stream`` its
+    stream; ``__cause__`` is the exception the kernel raised.
     """
 
     def __init__(self, kernel: str, stream: int, cause: BaseException) -> None:

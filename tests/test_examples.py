@@ -18,6 +18,7 @@ HAS_GPU = _backend_class("cuda").unavailable_reason() is None
 
 EXPECTED = {
     "multi_stream_producer.py": ["events joined onto it: 3", "sum seen by the consumer: 6144"],
+    "multi_device.py": ["consumer on device 0: sum 8386560", "multi-device join: ok"],
     "data_loading_pipeline.py": ["batches/s", "streams overlapped", "wrong batches: 0"],
     "async_service.py": [
         "await cs.consume: 500 requests answered",

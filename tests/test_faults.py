@@ -1,0 +1,131 @@
+"""The library under a sticky device-side fault (simulator only: on a GPU one
+failing kernel would poison the CUDA context for the rest of the run).
+
+Every waiter on the faulted device hears of it (awaiting on any event loop,
+blocking in any thread, enqueueing), none hangs, a device that did not fault
+goes on working, and after ``sim.reset()`` the library works again with no
+event or tracked state left behind.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+
+import anyio
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams import sim
+
+pytestmark = pytest.mark.anyio
+
+N = 16
+
+
+@pytest.fixture(autouse=True)
+def _on_sim() -> Iterator[None]:
+    previous = cs.current_backend()
+    cs.use_backend("sim")
+    try:
+        with cs.sanitize(False):  # work after a fault never runs: the sanitizer cannot know
+            yield
+    finally:
+        sim.reset(0)
+        cs.use_backend(previous.name)
+
+
+def _fill(x: np.ndarray, value: float) -> None:  # type: ignore[type-arg]
+    x[...] = value
+
+
+def _boom() -> None:
+    raise ZeroDivisionError("device-side fault")
+
+
+def _in_flight() -> int:
+    gc.collect()
+    return cs.stats()["events_in_flight"]
+
+
+async def test_every_waiter_on_the_faulted_device_sees_the_fault_then_reset_recovers() -> None:
+    writers = [cs.Stream() for _ in range(4)]
+    base = _in_flight()
+    gate = threading.Event()
+    arrays = []
+    for i in range(200):
+        arr = sim.empty(N)
+        t = cs.track(arr)
+        w = writers[i % len(writers)]
+        if i < len(writers):
+            sim.launch(w, lambda: gate.wait(20))  # hold each writer until the fault
+        with t.writing(w):
+            sim.launch(w, _fill, arr, float(i), writes=[arr])
+        arrays.append(t)
+    failures: list[BaseException] = []
+    blocked: list[BaseException] = []
+
+    async def waiter(t: cs.TrackedArray) -> None:
+        try:
+            await cs.consume(t, timeout=20)
+        except cs.CudaError as exc:
+            failures.append(exc)
+
+    def blocking_waiter(t: cs.TrackedArray) -> None:
+        try:
+            cs.consume_blocking(t, timeout=20)
+        except cs.CudaError as exc:
+            blocked.append(exc)
+
+    threads = [threading.Thread(target=blocking_waiter, args=(t,)) for t in arrays[:8]]
+    for thread in threads:
+        thread.start()
+    async with anyio.create_task_group() as tg:
+        for t in arrays:
+            tg.start_soon(waiter, t)
+        await anyio.sleep(0.05)
+        culprit = cs.Stream()
+        sim.launch(culprit, _boom)
+        await anyio.sleep(0.05)
+        gate.set()
+    for thread in threads:
+        thread.join(30)
+    assert len(failures) == len(arrays) and all(isinstance(e, cs.KernelError) for e in failures)
+    assert len(blocked) == len(threads) and all(isinstance(e, cs.KernelError) for e in blocked)
+    with pytest.raises(cs.KernelError):  # sticky: new work on the device fails too
+        await cs.consume(arrays[0], timeout=5)
+
+    sim.reset(0)
+    fresh = sim.empty(N)
+    t = cs.track(fresh)
+    with t.writing(writers[0]):
+        sim.launch(writers[0], _fill, fresh, 42.0, writes=[fresh], duration=0.01)
+    view = await cs.consume(t, timeout=20)
+    np.testing.assert_array_equal(sim._numpy_view(view), 42.0)
+    del arrays, arr, t, view, fresh
+    failures.clear()  # their tracebacks hold the arrays
+    blocked.clear()
+    for w in writers:
+        w.synchronize()
+    assert _in_flight() == base
+
+
+async def test_a_fault_on_one_device_leaves_the_other_working() -> None:
+    if cs.device_count() < 2:
+        pytest.skip("sim: one device; the rule needs two")
+    healthy = cs.Stream(device=1)
+    arr = sim.empty(N, device=1)
+    t = cs.track(arr)
+    with t.writing(healthy):
+        sim.launch(healthy, _fill, arr, 5.0, writes=[arr], duration=0.02)
+    culprit = cs.Stream(device=0)
+    sim.launch(culprit, _boom)
+    with pytest.raises(cs.KernelError):
+        culprit.synchronize()
+    view = await cs.consume(t, timeout=20)
+    np.testing.assert_array_equal(sim._numpy_view(view), 5.0)
+    other = cs.Stream(device=1)
+    view = await cs.consume(t, stream=other, timeout=20)  # a join on device 1
+    other.synchronize()
