@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import numpy as np
@@ -37,7 +38,7 @@ def _on_sim() -> Iterator[None]:
         cs.use_backend(previous.name)
 
 
-def _fill(x: np.ndarray, value: float) -> None:  # type: ignore[type-arg]
+def _fill(x: np.ndarray[Any, Any], value: float) -> None:
     x[...] = value
 
 
