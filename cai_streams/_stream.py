@@ -11,6 +11,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
+from . import _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._errors import CudaWarning
 from ._events import Mark, record
@@ -477,8 +478,12 @@ class Event:
         """Wait for the work before this event, yielding to the event loop.
 
         Polls (never blocks the loop); a cancellation point. ``timeout`` in
-        seconds raises :class:`TimeoutError` when it runs out.
+        seconds raises :class:`TimeoutError` when it runs out. An event recorded
+        in a graph capture under way raises :class:`~cai_streams.CaptureError`
+        (its work has not run; polling it would invalidate the capture).
         """
+        mark = self._mark
+        _capture_guard.check_host_wait(self._backend, mark.key, mark, "Event.wait()")
         await wait_for_event(
             self._backend, self.handle, mark=self._mark, timeout=timeout, keepalive=self
         )

@@ -55,13 +55,13 @@ class Pipeline:
         s.begin_capture("global")
         try:
             with self.x.reading(s), self.mid.writing(s):
-                sim.launch(s, np.multiply, self.x.array, 2.0, self.mid.array,
-                           reads=[self.x.array], writes=[self.mid.array], duration=0.001)  # fmt: skip
+                x, mid = self.x.array, self.mid.array
+                sim.launch(s, np.multiply, x, 2.0, mid, reads=[x], writes=[mid], duration=0.001)
             time.sleep(0.02)  # tracing a real model takes a while: the poller keeps polling
             side.wait(s.record())  # fork: side joins the capture
             with self.mid.reading(side), self.out.writing(side):
-                sim.launch(side, np.add, self.mid.array, 1.0, self.out.array,
-                           reads=[self.mid.array], writes=[self.out.array], duration=0.001)  # fmt: skip
+                mid, out = self.mid.array, self.out.array
+                sim.launch(side, np.add, mid, 1.0, out, reads=[mid], writes=[out], duration=0.001)
             time.sleep(0.02)
             s.wait(side.record())  # join back
         finally:
@@ -127,7 +127,9 @@ def main() -> None:
     cs.use_backend("sim")  # simulated kernels need simulated streams, even on a GPU machine
     assert threading.current_thread() is threading.main_thread()
     r = anyio.run(serve, args.requests, args.batches)
-    print(f"capture in a global-mode worker thread: valid, after {r['passes']} poll passes during it")
+    print(
+        f"capture in a global-mode worker thread: valid, after {r['passes']} poll passes during it"
+    )
     print(f"graph replays: {r['batches']} batches, wrong batches: {r['wrong_batches']}")
     print(f"requests served meanwhile: {r['served']}, wrong results: {r['wrong']}")
     if r["passes"] == 0:

@@ -206,6 +206,23 @@ async def test_a_host_wait_on_an_untracked_capturing_producer_raises_and_keeps_i
         assert backend.capture_status(s.handle) == "invalidated"
 
 
+async def test_waiting_for_an_event_recorded_in_a_capture_raises_and_keeps_it(
+    backend: cs.Backend,
+) -> None:
+    s = cs.Stream()
+    with _capturing(s):
+        event = s.record()
+        with pytest.raises(cs.CaptureError, match="the host cannot wait"):
+            await event.wait(timeout=1)
+        _still_valid(s)
+        event.close()
+    with _capturing(s):  # control: the poller's query of it
+        event = s.record()
+        assert _code(lambda: backend.query(event.handle)) == "cudaErrorCapturedEvent"
+        assert backend.capture_status(s.handle) == "invalidated"
+        event.close()
+
+
 async def test_a_capturing_consumer_of_busy_outside_work_raises_and_keeps_it(
     ops: DeviceOps, backend: cs.Backend
 ) -> None:
