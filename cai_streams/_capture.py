@@ -140,10 +140,6 @@ class Graph:
         return self
 
     @property
-    def state(self) -> GraphState:
-        return self._state
-
-    @property
     def handle(self) -> int:
         """The graph's handle (a ``cudaGraph_t``)."""
         self._check_open()

@@ -86,7 +86,7 @@ def test_begin_capture_checks_its_mode_and_is_capturing_follows_it(backend: cs.B
         s.begin_capture(mode)
         assert s.is_capturing
         with s.end_capture() as graph:
-            assert graph.state is GraphState.CAPTURED
+            assert graph._state is GraphState.CAPTURED
         assert not s.is_capturing
     with pytest.raises(TypeError, match="end_capture"):
         cs.Graph()
@@ -135,8 +135,8 @@ async def test_a_captured_pipeline_replays_and_a_consumer_after_the_launch_waits
             view = await cs.consume(y, timeout=10)
             assert view.stream is None
             np.testing.assert_array_equal(ops.to_host(y_arr), 10.0 + launch)
-        assert graph.state is GraphState.INSTANTIATED
-    assert graph.state is GraphState.CLOSED  # type: ignore[comparison-overlap] # close() changed it
+        assert graph._state is GraphState.INSTANTIATED
+    assert graph._state is GraphState.CLOSED  # type: ignore[comparison-overlap] # close() changed it
     with pytest.raises(ValueError, match="closed"):
         graph.launch(launch_on)
     graph.close()  # safe twice
