@@ -116,11 +116,12 @@ class Graph:
     graph and its executable; a launch already enqueued still runs.
     """
 
-    __slots__ = ("__weakref__", "_backend", "_exec", "_graph", "_state", "_touched")
+    __slots__ = ("__weakref__", "_backend", "_exec", "_graph", "_lock", "_state", "_touched")
 
     _backend: Backend
     _exec: int
     _graph: int
+    _lock: threading.Lock
     _state: GraphState
     _touched: list[tuple[weakref.ref[Any], bool]]
 
@@ -135,6 +136,7 @@ class Graph:
         self._backend = backend
         self._graph = graph
         self._exec = 0
+        self._lock = threading.Lock()  # the first launch instantiates, once
         self._touched = touched
         self._state = GraphState.CAPTURED
         return self
@@ -162,9 +164,10 @@ class Graph:
         """
         self._check_open()
         s = as_stream(stream, self._backend)
-        if self._state is GraphState.CAPTURED:
-            self._exec = self._backend.instantiate_graph(self._graph)
-            self._state = GraphState.INSTANTIATED
+        with self._lock:
+            if self._state is GraphState.CAPTURED:
+                self._exec = self._backend.instantiate_graph(self._graph)
+                self._state = GraphState.INSTANTIATED
         from ._access import Kind  # late: _access imports this module
         from ._tracked import _enter
 
@@ -180,10 +183,11 @@ class Graph:
 
     def close(self) -> None:
         """Destroy the graph and its executable. Safe to call twice. Does not block."""
-        if self._state is GraphState.CLOSED:
-            return
-        graph_exec, self._exec = self._exec, 0
-        self._state = GraphState.CLOSED
+        with self._lock:
+            if self._state is GraphState.CLOSED:
+                return
+            graph_exec, self._exec = self._exec, 0
+            self._state = GraphState.CLOSED
         try:
             if graph_exec:
                 self._backend.destroy_graph_exec(graph_exec)

@@ -219,6 +219,8 @@ class PendingWork:
             for a in accesses
             if a.state is not AccessState.RELEASED and a.key != key and key not in a.waited_by
         ]
+        if not accesses:
+            return
         capturing = _capture_guard.capturing(self.backend, key) is True
         needless = [
             a
