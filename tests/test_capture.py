@@ -25,6 +25,7 @@ from cai_streams._capture import GraphState
 from cai_streams._scheduler import scheduler_for
 
 from .device_ops import DeviceOps
+from .test_conformance_capture import _code
 
 pytestmark = pytest.mark.anyio
 
@@ -33,15 +34,6 @@ pytestmark = pytest.mark.anyio
 def _unsanitized() -> Iterator[None]:
     with cs.sanitize(False):
         yield
-
-
-def _code(call: Callable[[], object]) -> str:
-    """The name of the CudaError ``call`` raises ("" if it returns)."""
-    try:
-        call()
-    except cs.CudaError as exc:
-        return exc.name
-    return ""
 
 
 @contextlib.contextmanager
