@@ -20,6 +20,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from ._backend import CAPTURE_MODES, Backend, CaptureMode
+from ._capture_guard import capturing
 from ._errors import CudaError, CudaWarning
 from ._identity import StreamId
 from ._stream import Stream, as_stream
@@ -53,6 +54,8 @@ def note_captured(work: object, writes: bool, key: StreamId) -> None:
     with _lock:
         capture = _active.get(key)
         if capture is None:
+            for gone in [k for k in _active if capturing(k.backend, k) is False]:
+                del _active[gone]  # ended or destroyed behind the library's back
             found = [
                 c for c in _active.values() if c.backend is key.backend and c.device == key.device
             ]

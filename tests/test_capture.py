@@ -134,6 +134,32 @@ async def test_a_captured_pipeline_replays_and_a_consumer_after_the_launch_waits
     graph.close()  # safe twice
 
 
+async def test_a_capture_ended_behind_the_librarys_back_is_forgotten(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    """A write on a stream forked into a capture belongs to the one capture under
+    way on its device: one ended by a raw backend call does not count."""
+    stale, s, side, launch_on = cs.Stream(), cs.Stream(), cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(16, np.float32))
+    y = cs.track(arr)
+    stale.begin_capture()
+    backend.destroy_graph(backend.end_capture(stale.handle))
+    with _capturing(s):
+        side.wait(s.record())
+        with y.writing(side):
+            ops.fill(side, arr, 4.0)
+        s.wait(side.record())
+        graph = s.end_capture()
+    with graph:
+        latch = ops.latch(launch_on)
+        graph.launch(launch_on)
+        with pytest.raises(TimeoutError):  # the launch is y's pending write
+            cs.consume_blocking(y, timeout=0.05)
+        latch.release()
+        await cs.consume(y, timeout=10)
+    np.testing.assert_array_equal(ops.to_host(arr), 4.0)
+
+
 def test_a_graph_that_cannot_be_destroyed_warns(backend: cs.Backend, monkeypatch: Any) -> None:
     s = cs.Stream()
     s.begin_capture()
