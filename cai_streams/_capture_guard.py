@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, CaptureMode
 from ._errors import CaptureError, CudaError
-from ._identity import StreamId, thread_serial
+from ._identity import StreamId, lifetime_of, thread_serial
 
 if TYPE_CHECKING:
     from ._events import Mark
@@ -113,11 +113,16 @@ def query_event(backend: Backend, event: int) -> bool:
 def capturing(backend: Backend, key: StreamId) -> bool | None:
     """Whether the stream ``key`` names is capturing now (valid or invalidated);
     None when this thread cannot name it (another thread's per-thread default
-    stream). Asking invalidates nothing. The legacy stream while a blocking
+    stream); False for a stream this library made and closed since. Asking
+    invalidates nothing. The legacy stream while a blocking
     stream of its device captures: :class:`CaptureError`, since any use of it
     would invalidate that capture."""
     if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
         return None
+    if key.generation:  # a stream this library made: is it still that stream?
+        lifetime = lifetime_of(backend, key.device, key.handle)
+        if lifetime is None or lifetime.generation != key.generation:
+            return False  # closed (never ask the driver about a destroyed handle)
     try:
         return backend.capture_status(key.handle) != "none"
     except CudaError as exc:

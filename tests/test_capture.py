@@ -373,6 +373,38 @@ def test_events_recorded_in_a_capture_are_taken_back_without_a_query_and_reused(
     backend.destroy_event(event)
 
 
+def test_events_of_a_closed_capturing_stream_are_taken_back_without_asking_the_driver(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    """A destroyed stream handle must never reach the driver (undefined behaviour
+    on a GPU; maybe another stream already): the pool goes by the stream's identity."""
+    pool = scheduler_for(backend).pool
+    arr = ops.array(np.zeros(16, np.float32))
+    t = cs.track(arr)
+    s = cs.Stream()
+    with _capturing(s):
+        for _ in range(3):
+            with t.writing(s):
+                ops.add(s, arr, 1.0)
+        held = {a.event for a in t._work.writes}
+        s.end_capture().close()
+    handle = s.handle
+    s.close()
+    asked: list[int] = []
+    real_status = backend.capture_status
+
+    def capture_status(stream: int) -> Any:
+        asked.append(stream)
+        return real_status(stream)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, "capture_status", capture_status)
+        t._work.abandon()  # every access released: their events go back to the pool
+        pool.reclaim()
+    assert handle not in asked
+    assert held <= set(pool._free)
+
+
 # -- the headline: a capture in another thread survives the shared poller -----------
 
 WAITERS = 2000
