@@ -11,6 +11,7 @@ from . import sim as sim
 from ._backend import Backend as Backend
 from ._backend import current_backend as current_backend
 from ._backend import use_backend as use_backend
+from ._capture import Graph as Graph
 from ._config import configure as configure
 from ._consume import consume as consume
 from ._consume import consume_all as consume_all
@@ -50,6 +51,7 @@ __all__ = (
     "CudaError",
     "CudaWarning",
     "Event",
+    "Graph",
     "HazardError",
     "InterfaceError",
     "KernelError",

@@ -23,6 +23,7 @@ import threading
 from contextlib import AbstractContextManager
 from typing import Protocol
 
+from . import _capture, _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
 from ._events import EventPool, Mark, pool_for, record
 from ._identity import StreamId, thread_serial
@@ -136,13 +137,15 @@ class Access:
         pool = pool_for(self.work.backend, key.device)  # an event of the stream's device
         event = pool.acquire()
         try:
-            self.mark = record(self.work.backend, event, key)
+            self.mark = mark = record(self.work.backend, event, key)
         except BaseException:
             pool.release(event)
             raise
         self.event = event
         self.pool = pool
         self.state = AccessState.RECORDED
+        if mark.captured:
+            _capture.note_captured(self.work, self.kind is Kind.WRITE, mark.key)
 
     def materialize(self) -> None:
         """LAZY -> RECORDED: the consumer's work enqueued so far is what it covers."""
@@ -159,8 +162,11 @@ class Access:
             self._record()
 
     def is_complete(self) -> bool:
-        """Whether a recorded access's work is done (raises if it failed)."""
-        return self.state is AccessState.RECORDED and self.work.backend.query(self.event)
+        """Whether a recorded access's work is done (raises if it failed); never
+        invalidates a graph capture (see ``_capture_guard.event_complete``)."""
+        return self.state is AccessState.RECORDED and _capture_guard.event_complete(
+            self.work.backend, self.event, self.mark
+        )
 
     def pin(self) -> None:
         if self.state is not AccessState.RECORDED:
@@ -186,7 +192,7 @@ class Access:
     def _give_back(self) -> None:
         event, self.event = self.event, 0
         if event and self.pool is not None:
-            self.pool.release(event, self.stream)
+            self.pool.release(event, self.stream, self.mark)
 
     def _forget_lifetime(self) -> None:
         lifetime = self.stream._lifetime

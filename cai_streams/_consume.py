@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 import anyio
 import anyio.lowlevel
 
-from . import _sanitizer
+from . import _capture_guard, _sanitizer
 from ._access import Access
 from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_async, wait_block_sync
@@ -143,7 +143,16 @@ class _TrackedHost(_Tracked):
         if isinstance(got, Blocked):
             return got
         self.accesses = got
-        self.events = [(a.event, a.mark) for a in got]
+        backend = self.work.backend
+        try:  # nothing the host cannot wait for (a write in a graph capture)
+            self.events = [
+                (a.event, a.mark)
+                for a in got
+                if not _capture_guard.host_skips(backend, a, "consume()")
+            ]
+        except BaseException:
+            self.finish(complete=False)
+            raise
         self.view = self.view.with_stream(None)
         return None
 
@@ -191,9 +200,10 @@ class _UntrackedHost(_Handoff):
         backend, producer = self.sched.backend, self.view.stream
         assert producer is not None
         self.view = self.view.with_stream(None)
-        if backend.query_stream(producer):
-            return None  # idle: the data is ready now, and no event is spent
         key = stream_id_now(backend, producer)
+        _capture_guard.check_host_wait(backend, key, None, "consume()")
+        if _capture_guard.stream_idle(backend, key):
+            return None  # idle: the data is ready now, and no event is spent
         pool = self.pool = pool_for(backend, key.device)  # an event of the producer's device
         event = pool.acquire()
         try:
@@ -224,7 +234,7 @@ class _UntrackedEnqueue(_Handoff):
         assert s is not None
         key = stream_id_now(self.sched.backend, producer)
         if key != s._key():
-            self.sched.join(s.handle, key, keepalive=self.view)
+            self.sched.join(s.handle, key, keepalive=self.view, what="consume(stream=s)")
         self.view = self.view.with_stream(s.handle)
         self._declare_stream_read(s)
         return None
@@ -233,7 +243,7 @@ class _UntrackedEnqueue(_Handoff):
         s = self.stream
         assert s is not None
         if stream_id_now(self.sched.backend, self.producer) != s._key():
-            self.sched.join(self.producer, s._key(), keepalive=self.view)
+            self.sched.join(self.producer, s._key(), keepalive=self.view, what="consuming() exit")
 
 
 class _UntrackedOptOut(_Handoff):

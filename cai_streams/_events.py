@@ -8,6 +8,7 @@ import warnings
 from collections import deque
 from typing import Final, NamedTuple
 
+from . import _capture_guard
 from ._backend import Backend
 from ._errors import CudaError, CudaWarning
 from ._identity import StreamId
@@ -24,10 +25,13 @@ class Mark(NamedTuple):
     (a stream is a FIFO), so a poller that finds one not done need not query
     the later ones. ``key`` is the stream's identity (handle 2 is a different
     stream in each thread; a reused handle is a different stream).
+    ``captured``: the stream was capturing a graph, so the event stands for
+    work that has not run, and must never be queried (``_capture_guard``).
     """
 
     key: StreamId
     seq: int
+    captured: bool = False
 
 
 def record(backend: Backend, event: int, key: StreamId) -> Mark:
@@ -35,8 +39,9 @@ def record(backend: Backend, event: int, key: StreamId) -> Mark:
 
     Only enqueues. For handle 2 the caller must be ``key``'s thread.
     """
+    captured = _capture_guard.capturing(backend, key) is True
     backend.record(event, key.handle)
-    return Mark(key, next(_order))
+    return Mark(key, next(_order), captured)
 
 
 #: free events kept for reuse; beyond this they are destroyed
@@ -50,7 +55,9 @@ class EventPool:
     stream wait can still be reading it; until then it is held (with what it
     keeps alive) and reclaimed later. Growth is bounded by the work in flight.
     An event a waiter still reads is never released here: its access holds it
-    (see ``_pending.Access``).
+    (see ``_pending.Access``). An event recorded in a graph capture is never
+    queried: it is held until its stream stops capturing, then reused (a
+    record makes it valid again).
     """
 
     def __init__(self, backend: Backend, device: int = 0) -> None:
@@ -59,6 +66,7 @@ class EventPool:
         self._lock = threading.Lock()
         self._free: list[int] = []
         self._draining: deque[tuple[int, object]] = deque()
+        self._captured: deque[tuple[int, object, StreamId]] = deque()
         self.created = 0
         self.destroyed = 0
         self.acquired = 0
@@ -75,40 +83,58 @@ class EventPool:
             self.acquired += 1
         return event
 
-    def release(self, event: int, keepalive: object = None) -> None:
-        """Give ``event`` back; ``keepalive`` (its stream, an owner) is held until it completes."""
+    def release(self, event: int, keepalive: object = None, mark: Mark | None = None) -> None:
+        """Give ``event`` back; ``keepalive`` (its stream, an owner) is held until it
+        completes. ``mark``: where it was last recorded, if it was."""
         with self._lock:
-            self._draining.append((event, keepalive))
+            if mark is not None and mark.captured:
+                self._captured.append((event, keepalive, mark.key))
+            else:
+                self._draining.append((event, keepalive))
             self._reclaim(limit=2)
 
     def reclaim(self) -> None:
         """Move every completed released event to the free list."""
         with self._lock:
-            self._reclaim(limit=len(self._draining))
+            self._reclaim(limit=max(len(self._draining), len(self._captured)))
 
     def _reclaim(self, limit: int) -> None:
-        for _ in range(min(limit, len(self._draining))):
-            event, keepalive = self._draining[0]
-            try:
-                done: bool | None = self._backend.query(event)
-            except CudaError:
-                done = None  # its work failed: never reuse it
-            if done is False:
-                self._draining.rotate(-1)
+        for _ in range(min(limit, len(self._captured))):
+            event, keepalive, key = self._captured[0]
+            if _capture_guard.capturing(self._backend, key) is not False:
+                self._captured.rotate(-1)  # its capture is under way: never query it
                 continue
-            self._draining.popleft()
+            self._captured.popleft()
             del keepalive
-            if done and len(self._free) < MAX_FREE:
-                self._free.append(event)
-            else:
-                self._destroy(event)
+            self._keep(event, True)
+        if not self._draining:
+            return
+        with _capture_guard.relaxed(self._backend):
+            for _ in range(min(limit, len(self._draining))):
+                event, keepalive = self._draining[0]
+                try:
+                    done: bool | None = self._backend.query(event)
+                except CudaError:
+                    done = None  # its work failed: never reuse it
+                if done is False:
+                    self._draining.rotate(-1)
+                    continue
+                self._draining.popleft()
+                del keepalive
+                self._keep(event, done is True)
+
+    def _keep(self, event: int, reusable: bool) -> None:
+        if reusable and len(self._free) < MAX_FREE:
+            self._free.append(event)
+        else:
+            self._destroy(event)
 
     def _destroy(self, event: int) -> None:
         self.destroyed += 1
         try:
             self._backend.destroy_event(event)
         except CudaError as exc:
-            warnings.warn(f"leaked event {event:#x}: {exc}", CudaWarning, stacklevel=3)
+            warnings.warn(f"leaked event {event:#x}: {exc}", CudaWarning, stacklevel=4)
 
     @property
     def free(self) -> int:

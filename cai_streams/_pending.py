@@ -25,12 +25,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import _sanitizer
+from . import _capture_guard, _sanitizer
 from ._access import Access, AccessState, Counters, Kind
 from ._backend import Backend
 from ._blocks import Blocked, OpenBlock, Owner
 from ._config import settings
-from ._identity import StreamId
+from ._identity import StreamId, stream_id_now
 from ._interface import ArrayView, byte_range, stream_of
 from ._stream import Stream
 
@@ -195,7 +195,7 @@ class PendingWork:
         handle = stream_of(obj)
         if handle is None:
             return None
-        if self.backend.query_stream(handle):
+        if _capture_guard.stream_idle(self.backend, stream_id_now(self.backend, handle)):
             return None
         return Stream._borrow(handle, self.backend, None)
 
@@ -206,14 +206,31 @@ class PendingWork:
             self._add(Access.recorded(self, Kind.WRITE, own, own._key()))
 
     def order_after(
-        self, stream: Stream, key: StreamId, accesses: list[Access], *, join: bool
+        self, stream: Stream, key: StreamId, accesses: list[Access], *, join: bool, what: str
     ) -> None:
         """Make ``stream`` wait for each access on another stream; completed
-        ones are dropped instead. Only enqueues."""
+        ones are dropped instead. Only enqueues. A wait that a graph capture
+        forbids raises CaptureError before anything is enqueued."""
         handle = stream.handle
         waited = elided = 0
+        accesses = [
+            a
+            for a in accesses
+            if a.state is not AccessState.RELEASED and a.key != key and key not in a.waited_by
+        ]
+        if not accesses:
+            return
+        capturing = _capture_guard.capturing(self.backend, key) is True
+        needless = [
+            a
+            for a in accesses
+            if not _capture_guard.must_wait(self.backend, key, capturing, a, what)
+        ]
         for a in accesses:
-            if a.state is AccessState.RELEASED or a.key == key or key in a.waited_by:
+            if a in needless:  # a capturing waiter, and work found complete: no edge
+                if a.state is AccessState.RECORDED:
+                    elided += 1
+                    self._drop(a)
                 continue
             if a.state is AccessState.LAZY:
                 a.materialize()
@@ -272,7 +289,8 @@ class PendingWork:
                 ]
             else:
                 conflicting = list(self.writes)
-            self.order_after(stream, key, conflicting, join=False)
+            what = "writing()" if kind is Kind.WRITE else "reading()"
+            self.order_after(stream, key, conflicting, join=False, what=what)
             covered: list[Access] = []
             if kind is Kind.WRITE and not disjoint:
                 covered = [a for a in conflicting if a.state is not AccessState.RELEASED]
@@ -322,7 +340,7 @@ class PendingWork:
             self._note(own)
             self._see_own_blocks(Kind.READ, False, me)
             self.counters.add(exports=1)
-            self.order_after(x, key, list(self.writes), join=True)
+            self.order_after(x, key, list(self.writes), join=True, what="export()")
             pending = any(a.key != key for a in self.writes) or any(
                 a.key == key and not a.is_complete() for a in self.writes
             )
@@ -349,7 +367,7 @@ class PendingWork:
             key = s._key()
             self._note(own)
             self._see_own_blocks(Kind.READ, False, me)
-            self.order_after(s, key, list(self.writes), join=False)
+            self.order_after(s, key, list(self.writes), join=False, what="consume(stream=s)")
             self._consumer_read(s, key)
             self._declare_stream_read(s, "consume(stream=...): the consumer's read")
             return None

@@ -29,6 +29,7 @@ import anyio
 import anyio.lowlevel
 import sniffio
 
+from . import _capture_guard
 from ._backend import Backend
 from ._events import Mark
 
@@ -250,6 +251,7 @@ class _Poller:
         woke = False
         budget = _policy.slice
         started = time.perf_counter()
+        relax = _capture_guard.RelaxedScope()  # restored before each await
         for qkey in list(self.queues):
             queue = self.queues.get(qkey)
             while queue:
@@ -258,6 +260,7 @@ class _Poller:
                     queue.popleft()
                     continue
                 counters.queries += 1
+                relax.enter(entry.backend)
                 try:
                     done = entry.backend.query(entry.event)
                 except Exception:  # never strand waiters: each re-queries in its own task
@@ -275,8 +278,10 @@ class _Poller:
             if not queue:
                 self.queues.pop(qkey, None)
             if time.perf_counter() - started > budget:
+                relax.restore()
                 await anyio.lowlevel.checkpoint()
                 started = time.perf_counter()
+        relax.restore()
         return woke
 
 
@@ -317,11 +322,12 @@ async def wait_for_events(
     """
     check_timeout(timeout)
     poller = _current_poller()
-    pending = [
-        (event, mark)
-        for event, mark in events
-        if poller.known_pending(mark) or not backend.query(event)
-    ]
+    with _capture_guard.relaxed(backend):
+        pending = [
+            (event, mark)
+            for event, mark in events
+            if poller.known_pending(mark) or not backend.query(event)
+        ]
     if not pending:
         await anyio.lowlevel.checkpoint()
         return
@@ -350,8 +356,9 @@ async def _wait_once(
     for (entry, _), item in zip(registered, pending, strict=True):
         if entry.state is _State.ORPHANED:
             again.append(item)
-        elif entry.state is _State.FAILED and not backend.query(entry.event):  # may raise
-            again.append(item)
+        elif entry.state is _State.FAILED:
+            if not _capture_guard.query_event(backend, entry.event):  # may raise
+                again.append(item)
     return again
 
 
@@ -368,6 +375,12 @@ def wait_blocking(
 ) -> None:
     """Block the calling thread until every event is complete, at most ``timeout`` s."""
     check_timeout(timeout)
+    with _capture_guard.relaxed(backend):
+        _wait_blocking(backend, events, timeout)
+    del keepalive
+
+
+def _wait_blocking(backend: Backend, events: Sequence[int], timeout: float | None) -> None:
     if timeout is None or math.isinf(timeout):
         for event in events:
             backend.synchronize_event(event)
@@ -381,4 +394,3 @@ def wait_blocking(
                 raise TimeoutError(f"GPU work not complete after {timeout} s")
             time.sleep(min(delay, left))
             delay = min(0.001, delay * 2)
-    del keepalive

@@ -14,12 +14,12 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from . import _sanitizer
+from . import _capture_guard, _sanitizer
 from ._access import Counters
 from ._backend import Backend, current_backend
 from ._errors import CudaError
 from ._events import pool_for, pools_of, record
-from ._identity import StreamId
+from ._identity import StreamId, stream_id_now
 from ._interface import ArrayView, byte_range
 from ._pending import PendingWork
 from ._poller import counters as poll_counters
@@ -52,16 +52,23 @@ class Scheduler:
                 stream = self._export_stream
         return stream
 
-    def join(self, waiter: int, producer: StreamId, *, keepalive: object) -> None:
+    def join(self, waiter: int, producer: StreamId, *, keepalive: object, what: str) -> None:
         """Stream ``waiter`` waits for all work enqueued so far on ``producer``
-        (one pooled event, recorded now; ``keepalive`` lives until it completes)."""
+        (one pooled event of the producer's device, recorded now; ``keepalive``
+        lives until it completes). A join a graph capture forbids raises
+        CaptureError first (``what`` is the call, for its message); a capturing
+        waiter of an idle producer needs none."""
+        waiter_id = stream_id_now(self.backend, waiter)
+        if not _capture_guard.check_join(self.backend, waiter_id, producer, what):
+            return
         pool = pool_for(self.backend, producer.device)  # recorded on the producer's device
         event = pool.acquire()
+        mark = None
         try:
-            record(self.backend, event, producer)
+            mark = record(self.backend, event, producer)
             self.backend.stream_wait_event(waiter, event)  # legal across devices
         finally:
-            pool.release(event, keepalive)
+            pool.release(event, keepalive, mark)
 
     def declare_stream_read(self, s: Stream, view: ArrayView, what: str) -> None:
         """Tell the sanitizer that work enqueued on ``s`` from now reads ``view``."""

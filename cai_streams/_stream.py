@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sys
 import warnings
+from typing import TYPE_CHECKING
 
+from . import _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._errors import CudaWarning
 from ._events import Mark, record
@@ -23,6 +25,9 @@ from ._identity import (
     thread_serial,
 )
 from ._poller import wait_for_event
+
+if TYPE_CHECKING:
+    from ._capture import Graph
 
 __all__ = ["Event", "Stream", "as_stream", "stream_handle_of"]
 
@@ -274,6 +279,34 @@ class Stream:
                 f"Stream.wait() takes an Event or a Stream, got {type(event_or_stream).__name__}"
             )
 
+    def begin_capture(self, mode: str = "global") -> None:
+        """Start capturing the work enqueued on this stream into a graph
+        (cudaStreamBeginCapture): from now on it is recorded, not run.
+
+        ``mode`` ("global", "thread_local" or "relaxed") says which calls in
+        other threads (global) or this one may invalidate the capture. The
+        library's own queries never do, in any thread. Does not block.
+        """
+        from ._capture import begin_capture  # late: it builds on Stream
+
+        begin_capture(self, mode)
+
+    @property
+    def is_capturing(self) -> bool:
+        """Whether this stream is capturing a graph (valid or invalidated). Does not block."""
+        return self._backend.is_capturing(self.handle)
+
+    def end_capture(self) -> Graph:
+        """End the capture begun on this stream and return its :class:`Graph`
+        (cudaStreamEndCapture); the stream runs its work again from now on.
+
+        Raises :class:`~cai_streams.CudaError` if the capture was invalidated
+        (the stream has left capture mode either way). Does not block.
+        """
+        from ._capture import end_capture
+
+        return end_capture(self)
+
     def synchronize(self) -> None:
         """Block the calling thread until all work on this stream is done.
 
@@ -442,8 +475,12 @@ class Event:
         """Wait for the work before this event, yielding to the event loop.
 
         Polls (never blocks the loop); a cancellation point. ``timeout`` in
-        seconds raises :class:`TimeoutError` when it runs out.
+        seconds raises :class:`TimeoutError` when it runs out. An event recorded
+        in a graph capture under way raises :class:`~cai_streams.CaptureError`
+        (its work has not run; polling it would invalidate the capture).
         """
+        mark = self._mark
+        _capture_guard.check_host_wait(self._backend, mark.key, mark, "Event.wait()")
         await wait_for_event(
             self._backend, self.handle, mark=self._mark, timeout=timeout, keepalive=self
         )

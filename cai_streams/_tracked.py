@@ -256,7 +256,7 @@ def export(obj: object, *, stream: object = None) -> dict[str, Any]:
     sched.counters.add(exports=1)
     producer = stream_id_now(backend, view.stream)
     if producer != x._key():
-        sched.join(x.handle, producer, keepalive=x)
+        sched.join(x.handle, producer, keepalive=x, what="export()")
         sched.counters.add(joins=1)
     sched.declare_stream_read(x, view, "export(): the consumer's read")
     cai["stream"] = x.handle

@@ -253,6 +253,27 @@ def test_the_capturing_thread_may_not_query_unless_its_capture_is_relaxed(
                 assert backend.capture_status(s.handle) == "active"
 
 
+@pytest.mark.parametrize("capture_mode", ["global", "thread_local"])
+def test_the_capturing_thread_may_query_once_its_own_mode_is_relaxed(
+    backend: cs.Backend, capture_mode: CaptureMode
+) -> None:
+    """What the library relies on to check, from the capturing thread itself,
+    whether a producer outside the capture is done: an exchange to relaxed."""
+    s, other = cs.Stream(), cs.Stream()
+    with _events(backend, 1) as (done,):
+        backend.record(done, other.handle)
+        backend.synchronize_event(done)
+        with _capturing(backend, s.handle, capture_mode):
+            previous = backend.exchange_capture_mode("relaxed")
+            try:
+                assert backend.query(done) is True
+                assert backend.query_stream(other.handle) is True
+            finally:
+                backend.exchange_capture_mode(previous)
+            assert backend.capture_status(s.handle) == "active"
+            backend.destroy_graph(backend.end_capture(s.handle))
+
+
 def test_exchange_capture_mode_is_per_thread_and_returns_the_previous_mode(
     backend: cs.Backend,
 ) -> None:

@@ -24,6 +24,11 @@ EXPECTED = {
         "await cs.consume: 500 requests answered",
         "blocking synchronize: 500 requests answered",
     ],  # fmt: skip
+    "graph_capture.py": [
+        "capture in a global-mode worker thread: valid",
+        "wrong batches: 0",
+        "wrong results: 0",
+    ],
     "trio_pipeline.py": [
         "every one complete",
         "raised TimeoutError",

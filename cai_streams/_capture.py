@@ -1,0 +1,218 @@
+"""Graph capture: ``Stream.begin_capture`` / ``end_capture`` and :class:`Graph`.
+
+Work enqueued on a capturing stream is recorded into a graph, not run;
+``Graph.launch(stream)`` replays it. Tracked arrays written or read inside a
+capture are remembered with it: their accesses in the capture stand for work
+that runs only when the graph is launched, so each launch is ordered like a
+``writing()`` (or ``reading()``) block of those arrays on the launch stream,
+and a consumer after the launch waits for it. How the rest of the library
+keeps a capture valid is ``_capture_guard``'s job.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import threading
+import warnings
+import weakref
+from contextlib import ExitStack
+from typing import Any
+
+from ._backend import CAPTURE_MODES, Backend, CaptureMode
+from ._capture_guard import capturing
+from ._errors import CudaError, CudaWarning
+from ._identity import StreamId
+from ._stream import Stream, as_stream
+
+__all__ = ["Graph", "GraphState", "begin_capture", "end_capture", "note_captured"]
+
+
+class _Capture:
+    """A capture begun through :meth:`Stream.begin_capture`, while under way: the
+    tracked buffers accessed in it (id -> (buffer state, whether it writes))."""
+
+    __slots__ = ("backend", "device", "origin", "touched")
+
+    def __init__(self, backend: Backend, origin: StreamId) -> None:
+        self.backend = backend
+        self.device = origin.device
+        self.origin = origin
+        self.touched: dict[int, tuple[weakref.ref[Any], bool]] = {}
+
+
+_lock = threading.Lock()  # bookkeeping only
+_active: dict[StreamId, _Capture] = {}
+
+
+def note_captured(work: object, writes: bool, key: StreamId) -> None:
+    """A tracked buffer's access was recorded on the capturing stream ``key``.
+
+    It belongs to the capture ``key`` began or, for a stream forked into a
+    capture, to the one capture under way on that backend and device (several
+    at once: it cannot be told which, and a launch does not order it)."""
+    with _lock:
+        capture = _active.get(key)
+        if capture is None:
+            for gone in [k for k in _active if capturing(k.backend, k) is False]:
+                del _active[gone]  # ended or destroyed behind the library's back
+            found = [
+                c for c in _active.values() if c.backend is key.backend and c.device == key.device
+            ]
+            if len(found) != 1:
+                return
+            capture = found[0]
+        ref, wrote = capture.touched.get(id(work), (None, False))
+        if ref is None or ref() is not work:
+            ref, wrote = weakref.ref(work), False
+        capture.touched[id(work)] = (ref, wrote or writes)
+
+
+def begin_capture(stream: Stream, mode: object) -> None:
+    if not isinstance(mode, str):
+        raise TypeError(f"capture mode must be a str, got {type(mode).__name__}")
+    if mode not in CAPTURE_MODES:
+        raise ValueError(
+            f"capture mode must be one of {', '.join(map(repr, CAPTURE_MODES))}, got {mode!r}"
+        )
+    checked: CaptureMode = mode
+    stream.backend.begin_capture(stream.handle, checked)
+    key = stream._key()
+    with _lock:
+        _active[key] = _Capture(stream.backend, key)
+
+
+def end_capture(stream: Stream) -> Graph:
+    backend, handle, key = stream.backend, stream.handle, stream._key()
+    capture = None
+    try:
+        graph = backend.end_capture(handle)
+    finally:
+        if not _still_capturing(backend, handle):
+            with _lock:
+                capture = _active.pop(key, None)
+    touched = [] if capture is None else list(capture.touched.values())
+    return Graph._made(backend, graph, touched)
+
+
+def _still_capturing(backend: Backend, handle: int) -> bool:
+    try:
+        return backend.is_capturing(handle)
+    except CudaError:
+        return False
+
+
+class GraphState(enum.Enum):
+    """A :class:`Graph`'s phases: captured; instantiated (an executable made
+    by the first launch, kept for the next); closed."""
+
+    CAPTURED = "captured"
+    INSTANTIATED = "instantiated"
+    CLOSED = "closed"
+
+
+class Graph:
+    """The work captured between :meth:`Stream.begin_capture` and
+    :meth:`Stream.end_capture`, to replay with :meth:`launch`.
+
+    :meth:`close` (or leaving a ``with`` block, or collection) releases the
+    graph and its executable; a launch already enqueued still runs.
+    """
+
+    __slots__ = ("__weakref__", "_backend", "_exec", "_graph", "_lock", "_state", "_touched")
+
+    _backend: Backend
+    _exec: int
+    _graph: int
+    _lock: threading.Lock
+    _state: GraphState
+    _touched: list[tuple[weakref.ref[Any], bool]]
+
+    def __init__(self) -> None:
+        raise TypeError("Graphs are made by Stream.end_capture()")
+
+    @classmethod
+    def _made(
+        cls, backend: Backend, graph: int, touched: list[tuple[weakref.ref[Any], bool]]
+    ) -> Graph:
+        self = cls.__new__(cls)
+        self._backend = backend
+        self._graph = graph
+        self._exec = 0
+        self._lock = threading.Lock()  # the first launch instantiates, once
+        self._touched = touched
+        self._state = GraphState.CAPTURED
+        return self
+
+    @property
+    def handle(self) -> int:
+        """The graph's handle (a ``cudaGraph_t``)."""
+        self._check_open()
+        return self._graph
+
+    def _check_open(self) -> None:
+        if self._state is GraphState.CLOSED:
+            raise ValueError("this Graph is closed")
+
+    def launch(self, stream: object) -> None:
+        """Replay the captured work on ``stream``, after the work enqueued on it
+        so far and after earlier launches of this graph. Only enqueues GPU work.
+
+        The first launch makes the executable graph (cudaGraphInstantiate; kept
+        for the next launches). Tracked arrays the capture wrote or read are
+        ordered as by ``writing(stream)`` / ``reading(stream)`` blocks around
+        the launch: the launch waits for their pending conflicting work, and
+        their next consumers wait for the launch. May wait (bounded) for
+        another thread's open ``writing()`` block of one of them.
+        """
+        self._check_open()
+        s = as_stream(stream, self._backend)
+        with self._lock:
+            if self._state is GraphState.CAPTURED:
+                self._exec = self._backend.instantiate_graph(self._graph)
+                self._state = GraphState.INSTANTIATED
+        from ._access import Kind  # late: _access imports this module
+        from ._tracked import _enter
+
+        with ExitStack() as blocks:
+            for ref, writes in self._touched:
+                work = ref()
+                if work is None:
+                    continue
+                kind = Kind.WRITE if writes else Kind.READ
+                block = _enter(work, kind, False, s, "Graph.launch()")
+                blocks.callback(work.leave, block)
+            self._backend.launch_graph(self._exec, s.handle)
+
+    def close(self) -> None:
+        """Destroy the graph and its executable. Safe to call twice. Does not block."""
+        with self._lock:
+            if self._state is GraphState.CLOSED:
+                return
+            graph_exec, self._exec = self._exec, 0
+            self._state = GraphState.CLOSED
+        try:
+            if graph_exec:
+                self._backend.destroy_graph_exec(graph_exec)
+        finally:
+            self._backend.destroy_graph(self._graph)
+
+    def __enter__(self) -> Graph:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Graph {self._graph:#x} on {self._backend.name} ({self._state.value})>"
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", GraphState.CLOSED) is GraphState.CLOSED:
+            return
+        if sys.is_finalizing():
+            self._state = GraphState.CLOSED
+            return
+        try:
+            self.close()
+        except Exception as exc:  # never raise from a destructor
+            warnings.warn(f"leaked graph {self._graph:#x}: {exc}", CudaWarning, stacklevel=1)

@@ -1,0 +1,614 @@
+"""Graph capture through the library: the API, and a library correct under it.
+
+Each CaptureError case checks that the capture is still valid afterwards (its
+``end_capture`` succeeds) beside a control: the raw backend calls the library
+would otherwise have made, which invalidate it (or, for a fork into the
+capture, make ``end_capture`` fail). The sanitizer is off here, as in the
+capture conformance suite: it does not model graphs (captured kernels are
+declared to it as if they ran).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams import _capture_guard, _poller, sim
+from cai_streams._capture import GraphState
+from cai_streams._scheduler import scheduler_for
+
+from .device_ops import DeviceOps
+from .test_conformance_capture import _code
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def _unsanitized() -> Iterator[None]:
+    with cs.sanitize(False):
+        yield
+
+
+@contextlib.contextmanager
+def _capturing(s: cs.Stream, mode: str = "global") -> Iterator[None]:
+    """Capture on ``s`` in the block; whatever happens, it is not capturing after."""
+    s.begin_capture(mode)
+    try:
+        yield
+    finally:
+        if s.is_capturing:
+            with contextlib.suppress(cs.CudaError):
+                s.end_capture().close()
+
+
+def _still_valid(s: cs.Stream) -> None:
+    """The capture on ``s`` survived: it ends into a graph."""
+    assert s.backend.capture_status(s.handle) == "active"
+    s.end_capture().close()
+
+
+def _write(ops: DeviceOps, s: cs.Stream, arr: Any, value: float) -> cs.TrackedArray:
+    """``arr`` tracked, and filled with ``value`` on ``s``. Arrays are made before
+    a capture begins: an allocation the pool cannot serve is a cudaMalloc, which a
+    capture forbids."""
+    t = cs.track(arr)
+    with t.writing(s):
+        ops.fill(s, arr, value)
+    return t
+
+
+# -- the API --------------------------------------------------------------------
+
+
+def test_begin_capture_checks_its_mode_and_is_capturing_follows_it(backend: cs.Backend) -> None:
+    s = cs.Stream()
+    with pytest.raises(ValueError, match="'global', 'thread_local', 'relaxed'"):
+        s.begin_capture("local")
+    with pytest.raises(TypeError, match="must be a str"):
+        s.begin_capture(1)  # type: ignore[arg-type]
+    assert not s.is_capturing
+    for mode in ("global", "thread_local", "relaxed"):
+        s.begin_capture(mode)
+        assert s.is_capturing
+        with s.end_capture() as graph:
+            assert graph._state is GraphState.CAPTURED
+        assert not s.is_capturing
+    with pytest.raises(TypeError, match="end_capture"):
+        cs.Graph()
+
+
+def test_end_capture_raises_when_the_capture_was_invalidated(backend: cs.Backend) -> None:
+    s = cs.Stream()
+    s.begin_capture()
+    assert _code(s.synchronize) == "cudaErrorStreamCaptureUnsupported"  # the user's own call
+    with pytest.raises(cs.CudaError, match="invalidated") as caught:
+        s.end_capture()
+    assert caught.value.name == "cudaErrorStreamCaptureInvalidated"
+    assert not s.is_capturing
+    s.synchronize()  # an ordinary stream again
+
+
+async def test_a_captured_pipeline_replays_and_a_consumer_after_the_launch_waits_for_it(
+    ops: DeviceOps,
+) -> None:
+    """Tracked arrays written in the capture: each launch is ordered like a
+    writing() block on the launch stream, so a consumer after it sees its data."""
+    s, side, launch_on = cs.Stream(), cs.Stream(), cs.Stream()
+    x_arr = ops.array(np.zeros(64, np.float32))
+    y_arr = ops.array(np.zeros(64, np.float32))
+    x, y = cs.track(x_arr), cs.track(y_arr)
+    with _capturing(s):
+        with x.writing(s):
+            ops.add(s, x_arr, 1.0)
+        side.wait(s.record())  # side forks into the capture (the user's own join)
+        with y.writing(side):  # waits for x's write on s: a graph edge
+            ops.copy(side, y_arr, x_arr)
+            ops.add(side, y_arr, 10.0)
+        s.wait(side.record())  # and joins back
+        graph = s.end_capture()
+    np.testing.assert_array_equal(ops.to_host(y_arr), 0.0)  # recorded, not run
+    with graph:
+        for launch in (1, 2):
+            latch = ops.latch(launch_on)
+            graph.launch(launch_on)
+            # control: the data is not there yet, and a host wait knows it
+            before = 0.0 if launch == 1 else 10.0 + launch - 1
+            np.testing.assert_array_equal(ops.to_host(y_arr), before)
+            with pytest.raises(TimeoutError):
+                cs.consume_blocking(y, timeout=0.05)
+            latch.release()
+            view = await cs.consume(y, timeout=10)
+            assert view.stream is None
+            np.testing.assert_array_equal(ops.to_host(y_arr), 10.0 + launch)
+        assert graph._state is GraphState.INSTANTIATED
+    assert graph._state is GraphState.CLOSED  # type: ignore[comparison-overlap] # close() changed it
+    with pytest.raises(ValueError, match="closed"):
+        graph.launch(launch_on)
+    graph.close()  # safe twice
+
+
+async def test_a_capture_ended_behind_the_librarys_back_is_forgotten(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    """A write on a stream forked into a capture belongs to the one capture under
+    way on its device: one ended by a raw backend call does not count."""
+    stale, s, side, launch_on = cs.Stream(), cs.Stream(), cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(16, np.float32))
+    y = cs.track(arr)
+    stale.begin_capture()
+    backend.destroy_graph(backend.end_capture(stale.handle))
+    with _capturing(s):
+        side.wait(s.record())
+        with y.writing(side):
+            ops.fill(side, arr, 4.0)
+        s.wait(side.record())
+        graph = s.end_capture()
+    with graph:
+        latch = ops.latch(launch_on)
+        graph.launch(launch_on)
+        with pytest.raises(TimeoutError):  # the launch is y's pending write
+            cs.consume_blocking(y, timeout=0.05)
+        latch.release()
+        await cs.consume(y, timeout=10)
+    np.testing.assert_array_equal(ops.to_host(arr), 4.0)
+
+
+def test_a_graph_that_cannot_be_destroyed_warns(backend: cs.Backend, monkeypatch: Any) -> None:
+    s = cs.Stream()
+    s.begin_capture()
+    graph = s.end_capture()
+
+    def broken(handle: int) -> None:
+        raise cs.CudaError(400, "cudaErrorInvalidResourceHandle", "gone")
+
+    real = backend.destroy_graph
+    monkeypatch.setattr(backend, "destroy_graph", broken)
+    with pytest.warns(cs.CudaWarning, match="leaked graph"):
+        graph.__del__()
+    monkeypatch.undo()
+    real(graph._graph)
+
+
+# -- what a capture forbids ---------------------------------------------------------
+
+
+async def test_consuming_onto_a_stream_outside_the_capture_raises_and_keeps_it(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    s, outside = cs.Stream(), cs.Stream()
+    arr, other = ops.array(np.zeros(64, np.float32)), ops.array(np.zeros(4, np.float32))
+    with _capturing(s):
+        t = _write(ops, s, arr, 1.0)
+        with pytest.raises(cs.CaptureError, match="Graph.launch, or pass a stream in the same"):
+            await cs.consume(t, stream=outside)
+        with pytest.raises(cs.CaptureError, match="capturing a graph"):
+            cs.export(t)  # onto the scheduler's export stream, outside the capture
+        with pytest.raises(cs.CaptureError, match="the host cannot wait"):
+            await cs.consume(t)
+        with pytest.raises(cs.CaptureError, match="the host cannot wait"):
+            cs.consume_blocking(t)
+        _still_valid(s)
+    # control: the join the library refused pulls the outside stream into the
+    # capture, which then cannot end
+    s.begin_capture()
+    event = backend.create_event()
+    backend.record(event, s.handle)
+    backend.stream_wait_event(outside.handle, event)
+    ops.add(outside, other, 1.0)
+    assert _code(s.end_capture) == "cudaErrorStreamCaptureUnjoined"
+    backend.destroy_event(event)
+
+
+async def test_a_host_wait_on_an_untracked_capturing_producer_raises_and_keeps_it(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    s = cs.Stream()
+    arr = ops.array(np.zeros(16, np.float32))
+    producer = cs.read_interface(arr).with_stream(s.handle)
+    with _capturing(s):
+        ops.add(s, arr, 1.0)
+        with pytest.raises(cs.CaptureError, match="the host cannot wait"):
+            await cs.consume(producer)
+        with pytest.raises(cs.CaptureError, match="the host cannot wait"):
+            cs.consume_blocking(producer)
+        _still_valid(s)
+    with _capturing(s):  # control: the query the library did not make
+        assert _code(lambda: backend.query_stream(s.handle)) == "cudaErrorStreamCaptureUnsupported"
+        assert backend.capture_status(s.handle) == "invalidated"
+
+
+async def test_waiting_for_an_event_recorded_in_a_capture_raises_and_keeps_it(
+    backend: cs.Backend,
+) -> None:
+    s = cs.Stream()
+    with _capturing(s):
+        event = s.record()
+        with pytest.raises(cs.CaptureError, match="the host cannot wait"):
+            await event.wait(timeout=1)
+        _still_valid(s)
+        event.close()
+    with _capturing(s):  # control: the poller's query of it
+        event = s.record()
+        assert _code(lambda: backend.query(event.handle)) == "cudaErrorCapturedEvent"
+        assert backend.capture_status(s.handle) == "invalidated"
+        event.close()
+
+
+async def test_a_capturing_consumer_of_busy_outside_work_raises_and_keeps_it(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    producer, s = cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(16, np.float32))
+    t = cs.track(arr)
+    latch = ops.latch(producer)
+    with t.writing(producer):
+        ops.fill(producer, arr, 5.0)
+    untracked = cs.read_interface(ops.array(np.zeros(4, np.float32))).with_stream(producer.handle)
+    try:
+        with _capturing(s):
+            with pytest.raises(cs.CaptureError, match="await cs.consume"):
+                await cs.consume(t, stream=s)
+            with pytest.raises(cs.CaptureError, match="before begin_capture"):
+                await cs.consume(untracked, stream=s)
+            with pytest.raises(cs.CaptureError, match="before begin_capture"):
+                with t.writing(s):
+                    pass
+            _still_valid(s)
+    finally:
+        latch.release()
+    # once the producer is done nothing is needed: no edge, the capture stays valid
+    producer.synchronize()
+    with _capturing(s):
+        view = await cs.consume(t, stream=s)
+        assert view.stream == s.handle
+        await cs.consume(untracked, stream=s)
+        _still_valid(s)
+    # control: the wait the library refused, made raw while the producer is busy
+    latch = ops.latch(producer)
+    try:
+        event = backend.create_event()
+        backend.record(event, producer.handle)
+        with _capturing(s):
+            assert _code(lambda: backend.stream_wait_event(s.handle, event)) == (
+                "cudaErrorStreamCaptureIsolation"
+            )
+            assert backend.capture_status(s.handle) == "invalidated"
+    finally:
+        latch.release()
+    backend.synchronize_event(event)
+    backend.destroy_event(event)
+
+
+def test_the_legacy_stream_during_a_blocking_capture_raises_and_keeps_it(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    """The per-thread default stream is blocking: while it captures, any use of
+    the legacy stream would invalidate the capture."""
+    arr = ops.array(np.zeros(16, np.float32))
+    legacy = cs.Stream.wrap(1)
+    per_thread = cs.Stream.wrap(2)
+    with _capturing(per_thread):
+        with pytest.raises(cs.CaptureError, match="legacy default stream"):
+            cs.consume_blocking(cs.read_interface(arr).with_stream(legacy.handle))
+        _still_valid(per_thread)
+
+
+# -- joins among the streams of one capture ----------------------------------------
+
+
+async def test_a_consumer_in_the_same_capture_gets_a_graph_edge(ops: DeviceOps) -> None:
+    s, side = cs.Stream(), cs.Stream()
+    arr, out = ops.array(np.zeros(64, np.float32)), ops.array(np.zeros(64, np.float32))
+    with _capturing(s):
+        t = _write(ops, s, arr, 3.0)
+        side.wait(s.record())  # side is in the capture
+        view = await cs.consume(t, stream=side)  # a wait among capturing streams: an edge
+        assert view.stream == side.handle
+        ops.copy(side, out, arr, duration=0.002)
+        s.wait(side.record())
+        graph = s.end_capture()
+    with graph:
+        graph.launch(s)
+        s.synchronize()
+    np.testing.assert_array_equal(ops.to_host(out), 3.0)
+
+
+# -- the event pool -----------------------------------------------------------------
+
+
+def test_events_recorded_in_a_capture_are_taken_back_without_a_query_and_reused(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    s = cs.Stream()
+    pool = scheduler_for(backend).pool
+    pool.reclaim()
+    arr = ops.array(np.zeros(16, np.float32))
+    t = cs.track(arr)
+    queried: list[int] = []
+    real_query = backend.query
+
+    def query(event: int) -> bool:
+        queried.append(event)
+        return real_query(event)
+
+    with _capturing(s):
+        recorded = []
+        for _ in range(5):  # each write replaces the last: its event is released
+            with t.writing(s):
+                ops.add(s, arr, 1.0)
+            (write,) = t._work.writes
+            recorded.append(write.event)
+        held = set(recorded[:-1])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(backend, "query", query)
+            pool.reclaim()
+        assert not held & set(queried)  # never queried: that would invalidate
+        assert not held & set(pool._free)
+        graph = s.end_capture()  # the capture survived
+    graph.close()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, "query", query)
+        pool.reclaim()
+    assert not held & set(queried)  # taken back without a query
+    assert held <= set(pool._free)
+    created = pool.created
+    for _ in range(3):  # reused: recorded again, they work
+        with t.writing(s):
+            ops.add(s, arr, 1.0)
+    cs.consume_blocking(t, timeout=10)
+    assert pool.created == created
+    # control: querying one while its capture is under way invalidates it
+    event = backend.create_event()
+    with _capturing(s):
+        backend.record(event, s.handle)
+        assert _code(lambda: backend.query(event)) == "cudaErrorCapturedEvent"
+        assert backend.capture_status(s.handle) == "invalidated"
+    backend.destroy_event(event)
+
+
+def test_events_of_a_closed_capturing_stream_are_taken_back_without_asking_the_driver(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    """A destroyed stream handle must never reach the driver (undefined behaviour
+    on a GPU; maybe another stream already): the pool goes by the stream's identity."""
+    pool = scheduler_for(backend).pool
+    arr = ops.array(np.zeros(16, np.float32))
+    t = cs.track(arr)
+    s = cs.Stream()
+    with _capturing(s):
+        for _ in range(3):
+            with t.writing(s):
+                ops.add(s, arr, 1.0)
+        held = {a.event for a in t._work.writes}
+        s.end_capture().close()
+    handle = s.handle
+    s.close()
+    asked: list[int] = []
+    real_status = backend.capture_status
+
+    def capture_status(stream: int) -> Any:
+        asked.append(stream)
+        return real_status(stream)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, "capture_status", capture_status)
+        t._work.abandon()  # every access released: their events go back to the pool
+        pool.reclaim()
+    assert handle not in asked
+    assert held <= set(pool._free)
+
+
+# -- the headline: a capture in another thread survives the shared poller -----------
+
+WAITERS = 2000
+STREAMS = 8
+
+
+def _poll_during_a_capture(ops: DeviceOps) -> tuple[str, int, int]:
+    """A thread captures in global mode while an event loop in this thread
+    polls WAITERS consumers, registered before the capture began and still
+    pending while it runs. Returns how the capture ended, the errors the
+    waiters saw, and the poll passes made while it was under way."""
+    streams = [cs.Stream() for _ in range(STREAMS)]
+    arrays = [ops.array(np.zeros(8, np.int64)) for _ in streams]
+    latches = [ops.latch(s) for s in streams]
+    for i, (s, arr) in enumerate(zip(streams, arrays, strict=True)):
+        ops.fill(s, arr, float(i + 1))
+    producers = [
+        cs.read_interface(a).with_stream(s.handle) for a, s in zip(arrays, streams, strict=True)
+    ]
+    begin, began, end = threading.Event(), threading.Event(), threading.Event()
+    outcome: list[str] = []
+
+    def capture() -> None:  # this thread's mode stays "global"
+        s = cs.Stream()
+        x = ops.array(np.zeros(8, np.float32))
+        begin.wait(30)
+        s.begin_capture("global")
+        ops.add(s, x, 1.0)
+        began.set()
+        end.wait(30)
+        try:
+            s.end_capture().close()
+            outcome.append("valid")
+        except cs.CudaError as exc:
+            outcome.append(exc.name)
+
+    errors = 0
+    passes = 0
+
+    async def consume_one(i: int) -> None:
+        nonlocal errors
+        try:
+            view = await cs.consume(producers[i % STREAMS], timeout=30)
+        except cs.CudaError:
+            errors += 1
+            return
+        assert (ops.to_host(arrays[i % STREAMS]) == i % STREAMS + 1).all()
+        assert view.stream is None
+
+    async def main() -> None:
+        nonlocal passes
+        async with anyio.create_task_group() as tg:
+            for i in range(WAITERS):
+                tg.start_soon(consume_one, i)
+            await anyio.sleep(0.01)  # all registered: the poller is polling
+            begin.set()
+            await anyio.to_thread.run_sync(began.wait, 30)
+            first = _poller.counters.passes
+            for _ in range(10_000):  # bounded: the control's waiters fail at once
+                if _poller.counters.passes >= first + 20 or errors:
+                    break
+                await anyio.sleep(0.001)
+            for latch in latches:
+                latch.release()
+            passes = _poller.counters.passes - first
+        end.set()
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    try:
+        anyio.run(main)
+    finally:
+        begin.set()
+        end.set()
+        for latch in latches:
+            latch.release()
+        thread.join(30)
+    return outcome[0], errors, passes
+
+
+def test_a_global_capture_in_another_thread_survives_thousands_of_polled_waiters(
+    ops: DeviceOps,
+) -> None:
+    outcome, errors, passes = _poll_during_a_capture(ops)
+    assert outcome == "valid"
+    assert errors == 0
+    assert passes >= 20
+
+
+def test_control_a_poller_without_the_mode_exchange_invalidates_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    @contextlib.contextmanager
+    def unchanged(backend: cs.Backend) -> Iterator[None]:
+        yield
+
+    monkeypatch.setattr(_capture_guard, "relaxed", unchanged)
+    from .device_ops import SimOps
+
+    with sim.simulated(sanitizer=False):
+        outcome, errors, _ = _poll_during_a_capture(SimOps())
+    assert outcome == "cudaErrorStreamCaptureInvalidated"
+    assert errors > 0
+
+
+def test_relaxed_restores_the_threads_mode(backend: cs.Backend) -> None:
+    previous = backend.exchange_capture_mode("thread_local")
+    try:
+        with _capture_guard.relaxed(backend):
+            assert backend.exchange_capture_mode("relaxed") == "relaxed"
+        assert backend.exchange_capture_mode("thread_local") == "thread_local"
+        scope = _capture_guard.RelaxedScope()
+        scope.enter(backend)
+        scope.enter(backend)  # once per backend
+        scope.restore()
+        assert backend.exchange_capture_mode("thread_local") == "thread_local"
+    finally:
+        backend.exchange_capture_mode(previous)
+
+
+# -- random programs with a captured graph, against a sequential oracle -------------
+
+CAPTURE_PROGRAMS = 40
+
+
+class _Program:
+    """Random kernels on tracked arrays: some on streams outside any capture, some
+    captured (on the capture stream and a stream forked into it) and replayed by
+    launches among the others. The oracle applies each kernel in program order,
+    and the captured ones again at every launch: any ordering the library
+    missed (a launch not after earlier writes, a later kernel not after the
+    launch, a captured join that is no graph edge) gives other data."""
+
+    def __init__(self, seed: int) -> None:
+        import random
+
+        self.rng = random.Random(seed)
+        self.arrays = [sim.asarray(np.zeros(16, np.float32)) for _ in range(3)]
+        self.tracked = [cs.track(a) for a in self.arrays]
+        self.expect = [np.zeros(16, np.float32) for _ in self.arrays]
+        self.captured: list[Callable[[list[Any]], None]] = []
+
+    def kernel(self, stream: cs.Stream, *, captured: bool) -> None:
+        rng = self.rng
+        dst, src, c = rng.randrange(3), rng.randrange(3), float(rng.randrange(1, 9))
+        arrays, tracked = self.arrays, self.tracked
+        duration = rng.choice((0.0, 0.0005, 0.002))
+
+        def apply(xs: list[Any]) -> None:
+            xs[dst][...] = xs[dst] * 0.5 + xs[src] + c
+
+        with contextlib.ExitStack() as blocks:
+            blocks.enter_context(tracked[dst].writing(stream))
+            if src != dst:
+                blocks.enter_context(tracked[src].reading(stream))
+            sim.launch(
+                stream,
+                lambda d, s_: apply([d if i == dst else s_ for i in range(3)]),
+                arrays[dst],
+                arrays[src],
+                reads=[arrays[src]],
+                writes=[arrays[dst]],
+                duration=duration,
+            )
+        if captured:
+            self.captured.append(apply)
+        else:
+            apply(self.expect)
+
+    def launched(self) -> None:
+        for apply in self.captured:
+            apply(self.expect)
+
+
+def _run_program(seed: int) -> None:
+    program = _Program(seed)
+    rng = program.rng
+    outside = [cs.Stream(), cs.Stream()]
+    s, side, launch_on = cs.Stream(), cs.Stream(), cs.Stream()
+    for _ in range(rng.randrange(1, 4)):
+        program.kernel(rng.choice(outside), captured=False)
+    for stream in outside:  # the producers are done before the capture begins
+        stream.synchronize()
+    s.begin_capture(rng.choice(("global", "thread_local", "relaxed")))
+    side.wait(s.record())
+    for _ in range(rng.randrange(2, 6)):
+        program.kernel(rng.choice((s, side)), captured=True)
+    s.wait(side.record())
+    with s.end_capture() as graph:
+        for _ in range(rng.randrange(1, 4)):
+            for _ in range(rng.randrange(0, 3)):
+                program.kernel(rng.choice(outside), captured=False)
+            graph.launch(rng.choice((launch_on, *outside)))
+            program.launched()
+        for _ in range(rng.randrange(0, 3)):
+            program.kernel(rng.choice(outside), captured=False)
+        for i, t in enumerate(program.tracked):
+            view = cs.consume_blocking(t, timeout=30)
+            got = sim._numpy_view(view)
+            assert got is not None
+            np.testing.assert_array_equal(got, program.expect[i], err_msg=f"seed {seed}, array {i}")
+
+
+def test_random_programs_with_a_captured_graph_match_a_sequential_oracle() -> None:
+    with sim.simulated(sanitizer=False, jitter=0.001):
+        for seed in range(CAPTURE_PROGRAMS):
+            _run_program(seed)
