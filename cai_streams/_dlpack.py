@@ -173,11 +173,11 @@ def is_untaken(capsule: object, versioned: bool) -> bool:
 
 
 def capsule_name(capsule: object) -> str | None:
-    """The capsule's name, or None if ``capsule`` is not a capsule."""
+    """The capsule's name ("" for none), or None if ``capsule`` is not a capsule."""
     if type(capsule).__name__ != "PyCapsule":
         return None
     name = _GetName(capsule)
-    return None if name is None else name.decode("ascii", "replace")
+    return "" if name is None else name.decode("ascii", "replace")
 
 
 def capsule_pointer(capsule: object) -> tuple[int, bool] | None:
