@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +25,7 @@ from hypothesis import strategies as st
 
 import cai_streams as cs
 from cai_streams import _dlpack, sim
+from cai_streams._consume import Mode, _handoff
 from cai_streams._dlpack_export import consumer_stream, live_exports
 from cai_streams._dlpack_import import DLPackOwner, Held, read_capsule
 
@@ -498,3 +501,218 @@ def test_what_is_not_a_dlpack_capsule_is_refused() -> None:
 
 
 _OTHER = ctypes.c_char_p(b"other")  # a capsule keeps its name's pointer
+
+
+# -- consumer: any DLPack producer, the same join ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "row", [m for m in Mode if m.name.startswith("DLPACK")], ids=lambda m: m.name
+)
+async def test_each_dlpack_row(row: Mode, exports: None) -> None:
+    """What each row passes to the producer, what it waits for (a held
+    producer), and what the view names; the opt-out is the control: its
+    reader runs before the producer's work."""
+    cs.use_backend("sim")
+    ops = _sim_ops()
+    p, arr, latch = _hold(ops, 3.0)
+    arr.stream = p.handle  # where a Numba-style producer's work is pending
+    obj = DLPackOnly(arr)
+    c = cs.Stream()
+    stream = None if row is Mode.DLPACK_HOST else c
+    synced = row is not Mode.DLPACK_OPT_OUT
+    assert _handoff(DLPackOnly(sim.empty(1)), stream, synced, cs.current_backend()).mode is row
+    out = ops.array(np.full(64, -1.0, "float32"))
+    try:
+        if row is Mode.DLPACK_HOST:
+            got: list[cs.ArrayView] = []
+
+            async def host() -> None:
+                got.append(await cs.consume(obj, timeout=10))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(host)
+                await anyio.sleep(0.02)
+                assert not got, "a host consumer returned before the producer's work"
+                latch.release()
+            (view,) = got
+            export_stream = cs._scheduler.scheduler_for(cs.current_backend()).export_stream
+            assert obj.calls[0]["stream"] == export_stream.handle
+            assert view.stream is None and (ops.to_host(arr) == 3.0).all()
+            return
+        with cs.sanitize(synced):  # the opt-out races on purpose
+            view = await cs.consume(obj, stream=stream, sync=synced)
+            ops.copy(c, out, view)
+        assert obj.calls[0]["stream"] == (c.handle if synced else -1)
+        assert view.stream == c.handle
+        if not synced:
+            c.synchronize()  # ran while the producer was held
+    finally:
+        latch.release()
+    c.synchronize()
+    assert (ops.to_host(out) == (3.0 if synced else 0.0)).all()
+
+
+def _sim_ops() -> DeviceOps:
+    from .device_ops import ops_for
+
+    return ops_for("sim")
+
+
+@pytest.mark.parametrize("protocol", [None, "cai"], ids=["dlpack", "control-cai"])
+async def test_a_torch_like_tensor_is_consumed_race_free(
+    protocol: str | None, exports: None
+) -> None:
+    """A producer whose interface is version 2 (no stream, as PyTorch's) with
+    work pending on its current stream: DLPack is chosen and the host waits
+    for that work; forcing the interface reads the buffer too early."""
+    cs.use_backend("sim")
+    ops = _sim_ops()
+    p, arr, latch = _hold(ops, 9.0)
+    arr.stream = p.handle
+    obj = TorchLike(arr)
+    c = cs.Stream()
+    out = ops.array(np.full(64, -1.0, "float32"))
+    try:
+        with cs.sanitize(protocol is None):  # the control races (the sanitizer says so)
+            view = await cs.consume(obj, stream=c, protocol=protocol)  # type: ignore[arg-type]
+            ops.copy(c, out, view.with_stream(None))
+        assert isinstance(view.owner, DLPackOwner) is (protocol is None)
+        if protocol is not None:
+            c.synchronize()
+    finally:
+        latch.release()
+    c.synchronize()
+    assert (ops.to_host(out) == (9.0 if protocol is None else 0.0)).all()
+
+
+async def test_the_protocol_rule(exports: None) -> None:
+    cs.use_backend("sim")
+    arr = sim.asarray(np.ones(4, "float32"))  # a version 3 interface and DLPack
+    assert (await cs.consume(arr)).owner is arr
+    assert isinstance((await cs.consume(arr, protocol="dlpack")).owner, DLPackOwner)
+    assert isinstance((await cs.consume(TorchLike(arr))).owner, DLPackOwner)
+    assert (await cs.consume(TorchLike(arr), protocol="cai")).owner.__class__ is TorchLike
+    with pytest.raises(ValueError, match="protocol must be"):
+        await cs.consume(arr, protocol="both")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="no __dlpack__"):
+        await cs.consume(Layout({}), protocol="dlpack")
+    t = cs.track(arr)  # a tracked array: its pending work, whatever the protocol
+    assert (await cs.consume(t, protocol="dlpack")).owner is arr
+
+
+# -- the deleter runs exactly once, whatever happens ---------------------------------------
+
+
+def _counted_producer(value: float) -> tuple[Any, Any, Any, cs.Stream]:
+    """A DLPack-only producer over a tracked array written on a held stream."""
+    ops = _sim_ops()
+    p, arr, latch = _hold(ops, value)
+    t = cs.track(sim.asarray(np.zeros(64, "float32")))
+    with t.writing(p):
+        ops.copy(p, t.array, arr)
+    return DLPackOnly(t), t, latch, p
+
+
+async def test_deleter_once_when_cancelled_or_timed_out(exports: None) -> None:
+    cs.use_backend("sim")
+    obj, t, latch, p = _counted_producer(1.0)
+    before = live_exports()[0]
+    with anyio.move_on_after(0.02) as scope:
+        await cs.consume(obj)
+    assert scope.cancelled_caught
+    with pytest.raises(TimeoutError):
+        await cs.consume(obj, timeout=0.02)
+    assert live_exports()[0] == before + 2  # the owners live until the work completes
+    latch.release()
+    p.synchronize()
+    cs.stats()  # reclaims completed events, and the views they kept
+    gc.collect()
+    assert live_exports()[0] == before
+
+
+async def test_deleter_once_when_the_producers_kernel_failed(exports: None) -> None:
+    cs.use_backend("sim")
+    ops = _sim_ops()
+    p = cs.Stream()
+    arr = sim.asarray(np.zeros(8, "float32"))
+    arr.stream = p.handle
+    ops.fail(p)
+    obj = DLPackOnly(arr)
+    keep = weakref.ref(arr)
+    with pytest.raises(cs.KernelError):
+        await cs.consume(obj, timeout=10)
+    sim.reset()
+    del obj, arr
+    cs.stats()
+    gc.collect()
+    assert keep() is None
+
+
+async def test_deleter_once_on_every_other_path(exports: None) -> None:
+    cs.use_backend("sim")
+    obj, t, latch, p = _counted_producer(2.0)
+    c = cs.Stream()
+    latch.release()
+    with pytest.raises(KeyError):
+        async with cs.consuming(obj, stream=c) as view:
+            raise KeyError("the consumer failed")
+    with pytest.raises(cs.InterfaceError, match="kDLCPU"):
+        await cs.consume_all(obj, np.zeros(3), stream=c)
+    view = cs.consume_blocking(obj, timeout=10)
+    got = sim._numpy_view(view)
+    assert got is not None and (got == 2.0).all()
+    views = await cs.consume_all(obj, obj, timeout=10)
+    assert views[0].owner is not views[1].owner
+    del view, views, got
+
+
+# -- other libraries' producers on a CPU ---------------------------------------------------
+
+
+def test_numpy_refuses_our_cuda_capsule_cleanly(exports: None) -> None:
+    """NumPy takes only CPU tensors: it refuses ours with its own error (no
+    crash, no SystemError) and the tensor is still deleted once."""
+    t = cs.track(sim.asarray(np.arange(4, dtype="float32")))
+    keep = weakref.ref(t.array)
+    with pytest.raises((BufferError, RuntimeError), match="device"):
+        np.from_dlpack(t)
+    with pytest.raises((BufferError, RuntimeError), match="device"):
+        np.from_dlpack(cs.read_interface(t.array))
+    del t
+    gc.collect()
+    assert keep() is None
+
+
+def test_cpu_producers_are_refused_before_a_capsule_is_made() -> None:
+    host = DLPackOnly(np.arange(3.0))
+    with pytest.raises(cs.InterfaceError, match=r"\(1, 0\) \(kDLCPU\).*kDLCUDA"):
+        cs.consume_blocking(host)
+    assert host.calls == []  # refused from __dlpack_device__, before any capsule
+    with pytest.raises(cs.InterfaceError, match="kDLCPU"):
+        cs.consume_blocking(np.arange(3.0))  # numpy's own object
+
+
+def test_a_lying_producer_is_refused_and_its_capsule_deleted_by_numpy() -> None:
+    """__dlpack_device__ says CUDA, the capsule says CPU: refused, untaken, so
+    NumPy's own capsule destructor frees it."""
+
+    class Lying(DLPackOnly):
+        def __dlpack__(self, **kwargs: Any) -> Any:
+            return self.inner.__dlpack__(max_version=kwargs["max_version"])  # CPU: no stream
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, 0)
+
+    base = np.arange(5.0)
+    before = sys.getrefcount(base)
+    with pytest.raises(cs.InterfaceError, match=r"capsule reports device \(1, 0\)"):
+        cs.consume_blocking(Lying(base))
+    gc.collect()
+    assert sys.getrefcount(base) == before
+
+
+def test_a_torch_cpu_tensor_is_refused() -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(cs.InterfaceError, match="kDLCPU"):
+        cs.consume_blocking(torch.arange(3))
