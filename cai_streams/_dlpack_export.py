@@ -73,6 +73,7 @@ _exports: dict[int, _Export] = {}  # every tensor made here and not yet deleted
 _untaken: dict[int, _Export] = {}  # those whose capsule no consumer has taken yet
 _lock = threading.RLock()  # bookkeeping only (reentrant: a sweep may free a capsule)
 _stale_deletes = 0  # a deleter called for a tensor it no longer owns (must stay 0)
+_sweeping = False
 #: references to an untaken capsule when only the registry holds it: the
 #: entry's slot, and getrefcount's argument
 _ONLY_OURS: Final = 2
@@ -101,22 +102,29 @@ def sweep() -> int:
     let go of capsules a consumer took (it calls the deleter). How many tensors
     were deleted. Runs at each export and after each garbage collection.
     Does not block."""
+    global _sweeping
     if not _untaken:
         return 0
     dropped: list[_Export] = []
     deleted = 0
     with _lock:
-        for address, entry in list(_untaken.items()):
-            if not _dlpack.is_untaken(entry.capsule, entry.versioned):
-                del _untaken[address]  # taken: its consumer calls the deleter
-            elif sys.getrefcount(entry.capsule) <= _ONLY_OURS:
-                del _untaken[address]  # nobody can take it any more: delete it
-                del _exports[address]
-                deleted += 1
-            else:
-                continue
-            entry.capsule = None
-            dropped.append(entry)
+        if _sweeping:  # a collection inside a sweep, in this thread
+            return 0
+        _sweeping = True
+        try:
+            for address, entry in list(_untaken.items()):
+                if not _dlpack.is_untaken(entry.capsule, entry.versioned):
+                    del _untaken[address]  # taken: its consumer calls the deleter
+                elif sys.getrefcount(entry.capsule) <= _ONLY_OURS:
+                    del _untaken[address]  # nobody can take it any more: delete it
+                    del _exports[address]
+                    deleted += 1
+                else:
+                    continue
+                entry.capsule = None
+                dropped.append(entry)
+        finally:
+            _sweeping = False
     del dropped  # the capsules, structs and owners go outside the lock
     return deleted
 

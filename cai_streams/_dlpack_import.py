@@ -20,12 +20,14 @@ interface that cannot be read (a CPU tensor's). ``protocol="cai"`` or
 from __future__ import annotations
 
 import enum
+import sys
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import Any, Final, Literal
 
 from . import _dlpack
-from ._errors import InterfaceError
+from ._errors import CudaWarning, InterfaceError
 from ._interface import ArrayView, parse
 
 __all__ = ["DLPackOwner", "Protocol", "read_capsule", "take", "uses_dlpack"]
@@ -107,7 +109,16 @@ class DLPackOwner:
         _dlpack.call_deleter(self.address, self.versioned)
 
     def __del__(self) -> None:
-        self._delete()
+        if sys.is_finalizing():
+            return  # prefer a leak to a call into a library that is being torn down
+        try:
+            self._delete()
+        except Exception as exc:  # a destructor must not raise
+            warnings.warn(
+                f"the deleter of a {self.producer} DLPack tensor failed: {exc!r}",
+                CudaWarning,
+                stacklevel=1,
+            )
 
     def __repr__(self) -> str:
         return f"<DLPackOwner of a {self.producer} tensor, {self.state.name.lower()}>"
