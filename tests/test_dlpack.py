@@ -73,6 +73,13 @@ class Layout:
         return dict(self.cai)
 
 
+@pytest.fixture(autouse=True)
+def _simulated() -> None:
+    """Sim arrays live on the simulator: views of them are exported on it (a
+    test using ``ops`` gets its backend from the ``backend`` fixture instead)."""
+    cs.use_backend("sim")
+
+
 @pytest.fixture
 def exports() -> Iterator[None]:
     """Every capsule made in the test has been deleted, exactly once, at its end."""
@@ -223,7 +230,6 @@ def test_stream_values_follow_the_standard() -> None:
 
 @pytest.mark.parametrize("make", ["tracked", "view", "sim array"])
 def test_device_version_copy_and_read_only(make: str, exports: None) -> None:
-    cs.use_backend("sim")
     arr = sim.empty((2, 3), "float32", device=1)
     obj: Any = arr
     if make == "tracked":
@@ -319,7 +325,6 @@ def test_every_capsule_our_producers_make_parses_back(
 ) -> None:
     """Model: the view parsed back from a capsule describes exactly the bytes
     of the numpy view the producer's layout was made from."""
-    cs.use_backend("sim")
     host, index, order = layout
     before = live_exports()
     device = sim.asarray(host)
@@ -514,7 +519,6 @@ async def test_each_dlpack_row(row: Mode, exports: None) -> None:
     """What each row passes to the producer, what it waits for (a held
     producer), and what the view names; the opt-out is the control: its
     reader runs before the producer's work."""
-    cs.use_backend("sim")
     ops = _sim_ops()
     p, arr, latch = _hold(ops, 3.0)
     arr.stream = p.handle  # where a Numba-style producer's work is pending
@@ -567,7 +571,6 @@ async def test_a_torch_like_tensor_is_consumed_race_free(
     """A producer whose interface is version 2 (no stream, as PyTorch's) with
     work pending on its current stream: DLPack is chosen and the host waits
     for that work; forcing the interface reads the buffer too early."""
-    cs.use_backend("sim")
     ops = _sim_ops()
     p, arr, latch = _hold(ops, 9.0)
     arr.stream = p.handle
@@ -588,7 +591,6 @@ async def test_a_torch_like_tensor_is_consumed_race_free(
 
 
 async def test_the_protocol_rule(exports: None) -> None:
-    cs.use_backend("sim")
     arr = sim.asarray(np.ones(4, "float32"))  # a version 3 interface and DLPack
     assert (await cs.consume(arr)).owner is arr
     assert isinstance((await cs.consume(arr, protocol="dlpack")).owner, DLPackOwner)
@@ -616,7 +618,6 @@ def _counted_producer(value: float) -> tuple[Any, Any, Any, cs.Stream]:
 
 
 async def test_deleter_once_when_cancelled_or_timed_out(exports: None) -> None:
-    cs.use_backend("sim")
     obj, t, latch, p = _counted_producer(1.0)
     before = live_exports()[0]
     with anyio.move_on_after(0.02) as scope:
@@ -633,7 +634,6 @@ async def test_deleter_once_when_cancelled_or_timed_out(exports: None) -> None:
 
 
 async def test_deleter_once_when_the_producers_kernel_failed(exports: None) -> None:
-    cs.use_backend("sim")
     ops = _sim_ops()
     p = cs.Stream()
     arr = sim.asarray(np.zeros(8, "float32"))
@@ -651,7 +651,6 @@ async def test_deleter_once_when_the_producers_kernel_failed(exports: None) -> N
 
 
 async def test_deleter_once_on_every_other_path(exports: None) -> None:
-    cs.use_backend("sim")
     obj, t, latch, p = _counted_producer(2.0)
     c = cs.Stream()
     latch.release()
