@@ -402,12 +402,13 @@ async def consume(
     the last: its next ``writing()`` waits for each. If another thread has a
     ``writing()`` block of it open, this waits (yielding) for the block to end.
 
-    A DLPack producer (any object with ``__dlpack__`` and ``__dlpack_device__``,
-    preferred when it has an interface too; ``protocol="cai"`` or ``"dlpack"``
-    forces one) is asked to order the stream the consumer uses: the scheduler's
-    export stream, then polled, for ``stream=None``; ``s`` otherwise; -1 (no
-    synchronization) for ``sync=False``. Its tensor's deleter runs once, when
-    ``view.owner`` is collected. A producer not on a CUDA device raises
+    A DLPack producer (any object with ``__dlpack__`` and ``__dlpack_device__``
+    whose interface, if any, is older than version 3 and so names no stream;
+    ``protocol="cai"`` or ``"dlpack"`` forces one) is asked to order the stream
+    the consumer uses: the scheduler's export stream, then polled, for
+    ``stream=None``; ``s`` otherwise; -1 (no synchronization) for
+    ``sync=False``. Its tensor's deleter runs once, when ``view.owner`` is
+    collected. A producer not on a CUDA device raises
     :class:`~cai_streams.InterfaceError`.
 
     Always a cancellation point. ``timeout`` (seconds) bounds everything and
