@@ -27,7 +27,19 @@ UNTRACKED_ENQUEUE   ``s`` waits for an event   ``s``                  the produc
 UNTRACKED_OPT_OUT   nothing                    the producer's stream  nothing
 READY               nothing (the producer      None, or ``s``         nothing
                     names no stream)
+DLPACK_HOST         ``__dlpack__`` joins the   None                   nothing
+                    producer's work onto the
+                    export stream; the host
+                    polls an event there
+DLPACK_ENQUEUE      ``__dlpack__`` orders      ``s``                  nothing (DLPack has
+                    ``s`` after the                                   no way back to the
+                    producer's work                                   producer)
+DLPACK_OPT_OUT      nothing (``stream=-1``)    None, or ``s``         nothing
 ==================  =========================  =====================  ==================
+
+An array tracked here is always handed off through its pending work (what its
+``__dlpack__`` does too, without blocking the event loop). For any other
+object the protocol is chosen by :func:`~cai_streams._dlpack_import.uses_dlpack`.
 
 A tracked producer's ``writing()`` block held open by another thread is waited
 for first: awaited from a coroutine (never blocking the loop), blocked on in
@@ -51,6 +63,7 @@ from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_async, wait_block_sync
 from ._config import settings
 from ._device import device_of
+from ._dlpack_import import Protocol, cuda_device_of, take, uses_dlpack
 from ._events import EventPool, Mark, pool_for, record
 from ._identity import stream_id_now
 from ._interface import ArrayView, byte_range, parse
@@ -73,10 +86,24 @@ class Mode(enum.Enum):
     UNTRACKED_ENQUEUE = "producer stream, consumer stream"
     UNTRACKED_OPT_OUT = "producer stream, sync=False"
     READY = "nothing pending"
+    DLPACK_HOST = "DLPack producer, host readiness"
+    DLPACK_ENQUEUE = "DLPack producer, consumer stream"
+    DLPACK_OPT_OUT = "DLPack producer, sync=False"
 
 
-def plan(*, tracked: bool, producer_stream: int | None, stream: object, synced: bool) -> Mode:
+def plan(
+    *,
+    tracked: bool,
+    producer_stream: int | None,
+    stream: object,
+    synced: bool,
+    dlpack: bool = False,
+) -> Mode:
     """The row for a handoff. ``stream``: the consumer's stream, or None."""
+    if dlpack and not tracked:
+        if not synced:
+            return Mode.DLPACK_OPT_OUT
+        return Mode.DLPACK_HOST if stream is None else Mode.DLPACK_ENQUEUE
     if tracked:
         if not synced:
             return Mode.TRACKED_OPT_OUT
@@ -264,6 +291,27 @@ class _Ready(_Handoff):
             self._declare_host_read(complete)
 
 
+class _DLPackHost(_UntrackedHost):
+    """The view names the export stream, onto which ``__dlpack__`` joined."""
+
+    mode = Mode.DLPACK_HOST
+
+
+class _DLPackEnqueue(_Handoff):
+    """``__dlpack__`` ordered ``s`` already."""
+
+    mode = Mode.DLPACK_ENQUEUE
+
+    def begin(self, me: Owner) -> Blocked | None:
+        assert self.stream is not None
+        self._declare_stream_read(self.stream)
+        return None
+
+
+class _DLPackOptOut(_Ready):
+    mode = Mode.DLPACK_OPT_OUT
+
+
 _ROWS: dict[Mode, type[_Handoff]] = {
     row.mode: row
     for row in (
@@ -274,15 +322,23 @@ _ROWS: dict[Mode, type[_Handoff]] = {
         _UntrackedEnqueue,
         _UntrackedOptOut,
         _Ready,
+        _DLPackHost,
+        _DLPackEnqueue,
+        _DLPackOptOut,
     )
 }
 
 
-def _handoff(obj: object, stream: object, sync: object, backend: Backend) -> _Handoff:
-    """Choose the row for ``obj``: validation and lookups only, no effects."""
+def _handoff(
+    obj: object, stream: object, sync: object, backend: Backend, protocol: object = None
+) -> _Handoff:
+    """Choose the row for ``obj``: validation and lookups only, no effects but
+    a DLPack producer's join (a capsule is taken here)."""
     synced = _sync_flag(sync)
     s = None if stream is None else as_stream(stream, backend)
     found = lookup(obj, backend)
+    if found is None and uses_dlpack(obj, protocol):
+        return _dlpack_handoff(obj, s, synced, backend)
     if found is not None:
         work, view = found
         mode = plan(tracked=True, producer_stream=None, stream=s, synced=synced)
@@ -294,9 +350,21 @@ def _handoff(obj: object, stream: object, sync: object, backend: Backend) -> _Ha
     return _ROWS[mode](scheduler_for(backend, device_of(backend, view)), view, s)
 
 
-def _handoffs(objs: Sequence[object], stream: object, sync: object) -> list[_Handoff]:
+def _dlpack_handoff(obj: object, s: Stream | None, synced: bool, backend: Backend) -> _Handoff:
+    sched = scheduler_for(backend, cuda_device_of(obj))  # the export stream of its device
+    mode = plan(tracked=False, producer_stream=None, stream=s, synced=synced, dlpack=True)
+    if mode is Mode.DLPACK_HOST:
+        view = take(obj, sched.export_stream.handle)
+    else:
+        view = take(obj, s.handle if mode is Mode.DLPACK_ENQUEUE and s is not None else None)
+    return _ROWS[mode](sched, view, s)
+
+
+def _handoffs(
+    objs: Sequence[object], stream: object, sync: object, protocol: object = None
+) -> list[_Handoff]:
     backend = current_backend()
-    return [_handoff(obj, stream, sync, backend) for obj in objs]
+    return [_handoff(obj, stream, sync, backend, protocol) for obj in objs]
 
 
 async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
@@ -323,9 +391,15 @@ async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
 
 
 async def consume(
-    obj: Any, *, stream: Any = None, sync: bool | None = None, timeout: float | None = None
+    obj: Any,
+    *,
+    stream: Any = None,
+    sync: bool | None = None,
+    timeout: float | None = None,
+    protocol: Protocol | None = None,
 ) -> ArrayView:
-    """Take ``obj`` (any CUDA Array Interface object) once its producer's work allows.
+    """Take ``obj`` (any CUDA Array Interface or DLPack object) once its
+    producer's work allows.
 
     ``stream=None``: wait until the data is ready on the host, yielding to the
     event loop (the producer's stream is polled through one shared poller,
@@ -341,6 +415,15 @@ async def consume(
     the last: its next ``writing()`` waits for each. If another thread has a
     ``writing()`` block of it open, this waits (yielding) for the block to end.
 
+    A DLPack producer (any object with ``__dlpack__`` and ``__dlpack_device__``
+    whose interface, if any, is older than version 3 and so names no stream;
+    ``protocol="cai"`` or ``"dlpack"`` forces one) is asked to order the stream
+    the consumer uses: the scheduler's export stream, then polled, for
+    ``stream=None``; ``s`` otherwise; -1 (no synchronization) for
+    ``sync=False``. Its tensor's deleter runs once, when ``view.owner`` is
+    collected. A producer not on a CUDA device raises
+    :class:`~cai_streams.InterfaceError`.
+
     Always a cancellation point. ``timeout`` (seconds) bounds everything and
     raises :class:`TimeoutError`; ``timeout=0`` takes data that is ready now.
     Cancelled or timed out, nothing leaks: each event goes back to the pool
@@ -348,13 +431,17 @@ async def consume(
     before the handoff raises :class:`~cai_streams.CudaError`.
     """
     check_timeout(timeout)
-    (handoff,) = _handoffs([obj], stream, sync)
+    (handoff,) = _handoffs([obj], stream, sync, protocol)
     await _run([handoff], timeout)
     return handoff.view
 
 
 async def consume_all(
-    *objs: Any, stream: Any = None, sync: bool | None = None, timeout: float | None = None
+    *objs: Any,
+    stream: Any = None,
+    sync: bool | None = None,
+    timeout: float | None = None,
+    protocol: Protocol | None = None,
 ) -> list[ArrayView]:
     """:func:`consume` for several arrays at once: their views, in order.
 
@@ -363,13 +450,18 @@ async def consume_all(
     call is cancelled, all are let go.
     """
     check_timeout(timeout)
-    handoffs = _handoffs(objs, stream, sync)
+    handoffs = _handoffs(objs, stream, sync, protocol)
     await _run(handoffs, timeout)
     return [h.view for h in handoffs]
 
 
 def consume_blocking(
-    obj: Any, *, stream: Any = None, sync: bool | None = None, timeout: float | None = None
+    obj: Any,
+    *,
+    stream: Any = None,
+    sync: bool | None = None,
+    timeout: float | None = None,
+    protocol: Protocol | None = None,
 ) -> ArrayView:
     """:func:`consume` for synchronous code: **blocks** the calling thread.
 
@@ -380,7 +472,7 @@ def consume_blocking(
     from a coroutine.
     """
     check_timeout(timeout)
-    (handoff,) = _handoffs([obj], stream, sync)
+    (handoff,) = _handoffs([obj], stream, sync, protocol)
     limit = BLOCK_TIMEOUT if timeout is None else timeout
     deadline = time.monotonic() + limit
     me = current_owner()
@@ -399,7 +491,12 @@ def consume_blocking(
 
 @asynccontextmanager
 async def consuming(
-    obj: Any, *, stream: Any = None, sync: bool | None = None, timeout: float | None = None
+    obj: Any,
+    *,
+    stream: Any = None,
+    sync: bool | None = None,
+    timeout: float | None = None,
+    protocol: Protocol | None = None,
 ) -> AsyncIterator[ArrayView]:
     """``async with consuming(obj, stream=s) as view:`` :func:`consume`, and on
     exit make the producer wait for the work enqueued on ``s`` in the block.
@@ -411,7 +508,7 @@ async def consuming(
     consumer's reads were on the host and nothing is needed.
     """
     check_timeout(timeout)
-    (handoff,) = _handoffs([obj], stream, sync)
+    (handoff,) = _handoffs([obj], stream, sync, protocol)
     await _run([handoff], timeout)
     try:
         yield handoff.view

@@ -165,6 +165,45 @@ class ArrayView:
             _set_cai(self, cai)
         return dict(cai)
 
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """A DLPack capsule of the view (it keeps the view, so its owner, alive).
+
+        ``view.stream``, if any, is joined onto the consumer's ``stream`` (the
+        array API standard's values for CUDA; -1: no synchronization). See
+        :meth:`TrackedArray.__dlpack__ <cai_streams.TrackedArray.__dlpack__>`
+        for the other arguments. Only enqueues GPU work.
+        """
+        from ._backend import current_backend
+        from ._device import device_of
+        from ._dlpack_export import export_view
+
+        backend = current_backend()
+        device = device_of(backend, self)
+        return export_view(
+            self,
+            backend,
+            device,
+            self,
+            stream=stream,
+            max_version=max_version,
+            dl_device=dl_device,
+            copy=copy,
+        )
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(2, device)``: kDLCUDA and the device holding the data. Does not block."""
+        from ._backend import current_backend
+        from ._device import device_of
+
+        return (2, device_of(current_backend(), self))
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ArrayView):
             return NotImplemented

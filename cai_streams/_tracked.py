@@ -20,6 +20,7 @@ from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_sync
 from ._config import settings
 from ._device import device_of
+from ._dlpack_export import export_view
 from ._identity import stream_id_now
 from ._interface import ArrayView, parse
 from ._pending import PendingWork
@@ -116,6 +117,42 @@ class TrackedArray:
         """:meth:`export` onto the export stream: reading it enqueues the join
         and adds a consumer read, as a consumer reading it is about to do."""
         return self.export()
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """A DLPack capsule, with all pending writes joined onto ``stream``.
+
+        ``stream`` is the consumer's, as the array API standard says for CUDA:
+        None or 1 the legacy default stream, 2 the per-thread default stream,
+        a ``cudaStream_t``, or -1 for no synchronization; 0 raises ValueError.
+        What the consumer enqueues on ``stream`` from now on counts as a read,
+        as for :meth:`export`. A versioned capsule when ``max_version`` is
+        (1, 0) or newer. BufferError for another ``dl_device`` or ``copy=True``
+        (the memory is shared, never copied). Only enqueues GPU work; waits
+        only for another thread's open ``writing()`` block (bounded).
+        """
+        work = self._work
+        return export_view(
+            self.view,
+            work.backend,
+            device_of(work.backend, self.view),
+            self,
+            stream=stream,
+            max_version=max_version,
+            dl_device=dl_device,
+            copy=copy,
+            join=lambda s: _sync_handoff(lambda me: work.try_export(s, me), "__dlpack__()"),
+        )
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(2, device)``: kDLCUDA and the device holding the array. Does not block."""
+        return (2, device_of(self._work.backend, self.view))
 
     def pending_streams(self) -> dict[str, list[int]]:
         """Stream handles with pending writes and reads (for inspection)."""

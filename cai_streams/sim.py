@@ -28,6 +28,7 @@ from numpy.typing import ArrayLike, DTypeLike
 from . import _backend, _sanitizer
 from ._backend import _instance
 from ._backend._sim import SimBackend
+from ._dlpack_export import export_view
 from ._interface import ArrayView, byte_range, extent, parse
 from ._stream import Stream, stream_handle_of
 
@@ -136,6 +137,33 @@ class SimArray:
             "version": 3,
             "stream": self.stream,
         }
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """A DLPack capsule (device type 2, kDLCUDA, on the simulated device);
+        like a Numba array's, ``self.stream`` is joined onto the consumer's
+        ``stream`` (the array API standard's values; -1: no synchronization).
+        Only enqueues simulated work."""
+        return export_view(
+            parse(self),
+            _simulator(),
+            self._device,
+            self,
+            stream=stream,
+            max_version=max_version,
+            dl_device=dl_device,
+            copy=copy,
+        )
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(2, device)``: kDLCUDA and the simulated device. Does not block."""
+        return (2, self._device)
 
     def to_host(self, stream: Stream | int | None = None) -> np.ndarray[Any, Any]:
         """Copy to a new numpy array: enqueued on ``stream`` (the current device's
