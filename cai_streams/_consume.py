@@ -51,6 +51,8 @@ from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_async, wait_block_sync
 from ._config import settings
 from ._events import Mark, record
+from ._hold import ViewLease, hold_view_owner, view_done
+from ._hold_table import tick as release_holds
 from ._identity import stream_id_now
 from ._interface import ArrayView, byte_range, parse
 from ._pending import PendingWork
@@ -284,7 +286,19 @@ def _handoff(obj: object, stream: object, sync: object, backend: Backend) -> _Ha
 
 def _handoffs(objs: Sequence[object], stream: object, sync: object) -> list[_Handoff]:
     backend = current_backend()
+    release_holds()  # a bounded step: completed holds, released views
     return [_handoff(obj, stream, sync, backend) for obj in objs]
+
+
+#: rows that hand the view to the consumer's stream: its owner is held until
+#: that stream passes the work enqueued while the view is in use (``_hold``)
+_TO_STREAM = frozenset((Mode.TRACKED_ENQUEUE, Mode.UNTRACKED_ENQUEUE, Mode.READY))
+
+
+def _keep_owner(h: _Handoff) -> ViewLease | None:
+    if h.stream is None or h.mode not in _TO_STREAM:
+        return None
+    return hold_view_owner(h.view, h.stream)
 
 
 async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
@@ -338,6 +352,7 @@ async def consume(
     check_timeout(timeout)
     (handoff,) = _handoffs([obj], stream, sync)
     await _run([handoff], timeout)
+    _keep_owner(handoff)
     return handoff.view
 
 
@@ -353,6 +368,8 @@ async def consume_all(
     check_timeout(timeout)
     handoffs = _handoffs(objs, stream, sync)
     await _run(handoffs, timeout)
+    for h in handoffs:
+        _keep_owner(h)
     return [h.view for h in handoffs]
 
 
@@ -382,6 +399,7 @@ def consume_blocking(
         complete = True
     finally:
         handoff.finish(complete=complete)
+    _keep_owner(handoff)
     return handoff.view
 
 
@@ -401,7 +419,10 @@ async def consuming(
     check_timeout(timeout)
     (handoff,) = _handoffs([obj], stream, sync)
     await _run([handoff], timeout)
+    lease = _keep_owner(handoff)
     try:
         yield handoff.view
     finally:
         handoff.back_edge()
+        if handoff.stream is not None and handoff.mode in _TO_STREAM:
+            view_done(handoff.view, handoff.stream, lease)

@@ -53,8 +53,9 @@ class EventPool:
     (see ``_pending.Access``).
     """
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, device: int | None = None) -> None:
         self._backend = backend
+        self._device = device  # events are made on it (None: the caller's current device)
         self._lock = threading.Lock()
         self._free: list[int] = []
         self._draining: deque[tuple[int, object]] = deque()
@@ -68,7 +69,7 @@ class EventPool:
             if self._free:
                 self.acquired += 1
                 return self._free.pop()
-        event = self._backend.create_event()  # may raise: count only what exists
+        event = self._backend.create_event(self._device)  # may raise: count only what exists
         with self._lock:
             self.created += 1
             self.acquired += 1

@@ -19,6 +19,8 @@ from ._access import Counters
 from ._backend import Backend, current_backend
 from ._errors import CudaError
 from ._events import EventPool, record
+from ._hold_table import table as holds
+from ._hold_table import tick as release_holds
 from ._identity import StreamId
 from ._interface import ArrayView, byte_range
 from ._pending import PendingWork
@@ -34,7 +36,7 @@ class Scheduler:
     def __init__(self, backend: Backend, device: int) -> None:
         self.backend = backend
         self.device = device
-        self.pool = EventPool(backend)
+        self.pool = EventPool(backend, device)
         self.counters = Counters()
         self.lock = threading.Lock()  # the registry and the export stream: bookkeeping only
         self.buffers: dict[int, PendingWork] = {}
@@ -71,6 +73,7 @@ class Scheduler:
 
     def work_of(self, obj: object) -> PendingWork | None:
         """The pending work of ``obj`` if it is tracked. Does not block."""
+        release_holds()  # every handoff and track() passes here: a bounded step
         if self._collected or self._orphans:
             self.collect(limit=4)
         work = self.buffers.get(id(obj))
@@ -169,8 +172,12 @@ def stats() -> dict[str, int]:
     consumers), ``waits_elided`` (pending work found complete), ``exports``,
     ``tracked`` (buffers with tracked state); and, for the shared poller of
     every event loop, ``poll_passes``, ``poll_queries`` (event queries made)
-    and ``poll_wakes`` (waiters woken). Does not block.
+    and ``poll_wakes`` (waiters woken); and, for the stream-ordered holds of
+    every device (``cs.hold``, views handed to a stream), ``holds`` (in
+    flight), ``hold_bytes`` (bytes their owners say they have), ``holds_made``
+    and ``holds_released``. Does not block: completed holds are released first.
     """
+    holds.sweep()
     sched = scheduler_for(current_backend())
     sched.collect()
     sched.pool.reclaim()
@@ -189,4 +196,8 @@ def stats() -> dict[str, int]:
         "waits_elided": c.elided,
         "exports": c.exports,
         "tracked": len(sched.buffers),
+        "holds": holds.count,
+        "hold_bytes": holds.nbytes,
+        "holds_made": holds.made,
+        "holds_released": holds.released,
     }
