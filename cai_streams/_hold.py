@@ -37,7 +37,7 @@ from typing import Any
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
 from ._events import record
-from ._hold_table import Hold, table, tick
+from ._hold_table import Hold, relaxed, table, tick
 from ._identity import Lifetime, StreamId, thread_serial
 from ._interface import ArrayView
 from ._scheduler import scheduler_for
@@ -77,13 +77,14 @@ def _record_hold(key: StreamId, owner: object, nbytes: int, *, stacklevel: int) 
     """Record one pooled event on ``key`` (the calling thread's for handle 2)
     and keep ``owner`` until it completes. Only enqueues."""
     pool = scheduler_for(key.backend, key.device).pool
-    event = pool.acquire()
-    try:
-        with _on_device(key.backend, key.device, key.handle):
-            mark = record(key.backend, event, key)
-    except BaseException:
-        pool.release(event)
-        raise
+    with relaxed(key.backend):  # the pool queries events: never break a capture
+        event = pool.acquire()
+        try:
+            with _on_device(key.backend, key.device, key.handle):
+                mark = record(key.backend, event, key)
+        except BaseException:
+            pool.release(event)
+            raise
     table.add(Hold(pool, event, mark, owner, nbytes), stacklevel=stacklevel + 1)
 
 

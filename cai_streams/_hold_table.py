@@ -23,6 +23,8 @@ import threading
 import time
 import warnings
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 from ._backend import Backend, CaptureMode
@@ -32,12 +34,23 @@ from ._events import EventPool, Mark
 from ._identity import StreamId
 from ._poller import pass_hooks
 
-__all__ = ["Hold", "HoldTable", "Settles", "table", "tick"]
+__all__ = ["Hold", "HoldTable", "Settles", "relaxed", "table", "tick"]
 
 #: queries one call of :func:`tick` may make (the per-call bound)
 TICK_QUERIES = 4
 #: released views one call of :func:`tick` settles
 TICK_SETTLES = 4
+
+
+@contextmanager
+def relaxed(backend: Backend) -> Iterator[None]:
+    """This thread's capture mode is ``relaxed`` inside: the event queries of
+    the pool and of the table never invalidate a graph capture."""
+    previous = backend.exchange_capture_mode("relaxed")
+    try:
+        yield
+    finally:
+        backend.exchange_capture_mode(previous)
 
 
 class Hold:
@@ -155,13 +168,14 @@ class HoldTable:
                 self.count -= len(done)
                 self.nbytes -= sum(h.nbytes for h in done)
                 self.released += len(done)
+            for hold in done:  # outside the lock; the pool queries too: still relaxed
+                hold.pool.release(hold.event)
         finally:
             for backend, mode in modes.items():
                 backend.exchange_capture_mode(mode)
-        for hold in done:  # outside the lock: the owner's finalizer may call us
-            hold.pool.release(hold.event)
-            hold.owner = None
-        return len(done)
+        released = len(done)
+        del done  # the owners go now, outside the lock: their finalizers may call us
+        return released
 
     @staticmethod
     def _complete(hold: Hold, modes: dict[Backend, CaptureMode]) -> bool:
