@@ -180,7 +180,7 @@ def test_hold_refuses_bad_input_with_what_it_expected(backend: cs.Backend) -> No
     with pytest.raises(TypeError, match="object to keep alive"):
         cs.hold(None, until=s)
     with pytest.raises(TypeError):
-        cs.hold(Owner(), s)  # type: ignore[misc]
+        cs.hold(Owner(), s)  # type: ignore[call-arg]
     s.close()
     with pytest.raises(ValueError, match="closed"):
         cs.hold(Owner(), until=s)
