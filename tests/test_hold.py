@@ -10,11 +10,13 @@ control: the same owner without a hold is gone at once). Data-level proof
 from __future__ import annotations
 
 import gc
+import re
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -482,3 +484,11 @@ def test_a_view_released_while_its_stream_captures_is_held_until_the_capture_end
         graph = backend.end_capture(s.handle)  # raises if the capture was invalidated
     backend.destroy_graph(graph)
     assert released_soon(ref)
+
+
+def test_the_example_in_the_lifetime_docs_runs_and_shows_the_hazard() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "lifetime.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    example = max(blocks, key=len)
+    assert "read_then_drop(keep=False) == 2.0" in example  # the control is in it
+    exec(compile(example, "docs/lifetime.md", "exec"), {})
