@@ -152,7 +152,7 @@ class ViewLease(weakref.ref[ArrayView]):
         return super().__new__(cls, view, _view_released)
 
     def __init__(self, view: ArrayView, stream: Stream) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.key = stream._key()  # for handle 2: the consumer's thread's stream
         self.lifetime: Lifetime | None = stream._lifetime
         # an owned stream must not be destroyed by its collection before the
@@ -175,25 +175,27 @@ class ViewLease(weakref.ref[ArrayView]):
         """IN_USE -> HELD (lock held). False when the stream is capturing."""
         on = self._target()
         backend = on.backend
+        with _on_device(backend, on.device, on.handle):
+            if on.handle != LEGACY_DEFAULT_STREAM and backend.is_capturing(on.handle):
+                return False
+        owner, stream = self.owner, self.stream
+        # Done first: a limit passed while recording settles the queued leases,
+        # and may come back to this one (the lock is re-entrant).
+        self._end(LeaseState.HELD)
         try:
-            with _on_device(backend, on.device, on.handle):
-                if on.handle != LEGACY_DEFAULT_STREAM and backend.is_capturing(on.handle):
-                    return False
-            _record_hold(on, self.owner, self.nbytes, stacklevel=4)
+            _record_hold(on, owner, self.nbytes, stacklevel=4)
         except KernelError:  # the device faulted: work after the fault never runs
-            self._end(LeaseState.DROPPED)
-            return True
+            self.state = LeaseState.DROPPED
         except CudaError as exc:
-            _kept.append(self.owner)
+            self.state = LeaseState.DROPPED
+            _kept.append(owner)
             warnings.warn(
-                f"kept {type(self.owner).__name__} alive for good: could not record a "
+                f"kept {type(owner).__name__} alive for good: could not record a "
                 f"hold on {self.key.describe()}: {exc}",
                 CudaWarning,
                 stacklevel=4,
             )
-            self._end(LeaseState.DROPPED)
-            return True
-        self._end(LeaseState.HELD)
+        del stream  # an owned stream may be destroyed now: its hold is recorded
         return True
 
     def _end(self, state: LeaseState) -> None:

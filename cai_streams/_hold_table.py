@@ -232,4 +232,11 @@ def tick() -> None:
         table.release_completed(TICK_QUERIES)
 
 
-pass_hooks.append(tick)
+def _tick_in_poller() -> None:
+    try:
+        tick()
+    except Exception:  # never end the poller: the next library call runs the same
+        pass  # step and raises into its caller (a warning turned into an error)
+
+
+pass_hooks.append(_tick_in_poller)

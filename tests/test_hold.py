@@ -436,6 +436,26 @@ def test_closing_the_consumer_stream_with_the_view_alive_records_its_hold(
     assert released_soon(ref)
 
 
+def test_a_released_view_whose_stream_closes_past_a_limit_is_recorded_once(
+    ops: DeviceOps, limits: None
+) -> None:
+    """Closing records the queued lease's hold; passing the limit then settles
+    the queued leases, this one among them: it must not record twice (or wait
+    for itself)."""
+    cs.configure(hold_limit_count=1)
+    other = cs.Stream()
+    latch = ops.latch(other)
+    cs.hold(Owner(), until=other)
+    s = cs.Stream()
+    view = cs.consume_blocking(Box(ops.array(np.zeros(64, np.float32))), stream=s)
+    made = cs.stats()["holds_made"]
+    del view  # queued: nothing was called since
+    with pytest.warns(cs.HoldWarning, match="2 stream-ordered holds"):
+        s.close()
+    assert cs.stats()["holds_made"] == made + 1
+    latch.release()
+
+
 def test_a_view_on_another_threads_stream_2_released_here_waits_through_the_legacy_stream(
     ops: DeviceOps,
 ) -> None:
@@ -491,4 +511,9 @@ def test_the_example_in_the_lifetime_docs_runs_and_shows_the_hazard() -> None:
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     example = max(blocks, key=len)
     assert "read_then_drop(keep=False) == 2.0" in example  # the control is in it
-    exec(compile(example, "docs/lifetime.md", "exec"), {})
+    namespace: dict[str, Any] = {}
+    try:
+        exec(compile(example, "docs/lifetime.md", "exec"), namespace)
+    finally:
+        namespace.clear()  # its functions and arrays form a cycle with it: free them now
+        gc.collect()
