@@ -32,7 +32,6 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
@@ -88,7 +87,7 @@ def _record_hold(key: StreamId, owner: object, nbytes: int, *, stacklevel: int) 
     table.add(Hold(pool, event, mark, owner, nbytes), stacklevel=stacklevel + 1)
 
 
-def hold(owner: object, *, until: Any) -> None:
+def hold(owner: object, *, until: object) -> None:
     """Keep ``owner`` alive until the work enqueued on ``until`` so far has completed.
 
     Only enqueues GPU work (one pooled event recorded on ``until``); never

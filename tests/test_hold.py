@@ -26,7 +26,7 @@ import pytest
 import cai_streams as cs
 from cai_streams import _config
 
-from .device_ops import DeviceOps
+from .device_ops import DeviceOps, Latch
 
 WAIT = 10.0  # seconds: every wait here is bounded by this
 
@@ -69,6 +69,14 @@ def released_soon(ref: weakref.ref[Any], step: Callable[[], object] = cs.stats) 
 def held_owner(nbytes: int | None = None) -> tuple[Owner, weakref.ref[Owner]]:
     o = Owner(nbytes)
     return o, weakref.ref(o)
+
+
+def latched_view(ops: DeviceOps) -> tuple[cs.Stream, Latch, cs.ArrayView, weakref.ref[Box]]:
+    """A view handed to a new stream that a latch holds; a weak reference to its owner."""
+    s = cs.Stream()
+    latch = ops.latch(s)
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    return s, latch, cs.consume_blocking(box, stream=s), weakref.ref(box)
 
 
 @pytest.fixture
@@ -371,14 +379,10 @@ def test_stats_report_holds_in_flight_and_the_bytes_they_keep(ops: DeviceOps) ->
 def test_a_released_view_keeps_its_owner_until_the_stream_passes_what_was_enqueued(
     ops: DeviceOps,
 ) -> None:
-    s = cs.Stream()
-    latch = ops.latch(s)
-    box = Box(ops.array(np.zeros(64, np.float32)))
-    ref = weakref.ref(box)
-    view = cs.consume_blocking(box, stream=s)
+    s, latch, view, ref = latched_view(ops)
     host_view = cs.consume_blocking(Box(ops.array(np.zeros(64, np.float32))))
     host_ref = weakref.ref(host_view.owner)
-    del view, box, host_view
+    del view, host_view
     cs.stats()  # the released view's hold is recorded here
     later = ops.latch(s)  # after the view's release: not waited for
     assert host_ref() is None  # a host consumer's view holds nothing once gone
@@ -421,15 +425,11 @@ async def test_consuming_exit_records_the_hold_on_a_bare_handle_too(
 def test_closing_the_consumer_stream_with_the_view_alive_records_its_hold(
     ops: DeviceOps,
 ) -> None:
-    s = cs.Stream()
-    latch = ops.latch(s)
-    box = Box(ops.array(np.zeros(64, np.float32)))
-    ref = weakref.ref(box)
-    view = cs.consume_blocking(box, stream=s)
+    s, latch, view, ref = latched_view(ops)
     made = cs.stats()["holds_made"]
     s.close()  # recorded now, while the stream exists
     assert cs.stats()["holds_made"] == made + 1
-    del view, box
+    del view
     cs.stats()
     assert ref() is not None
     latch.release()
