@@ -145,8 +145,8 @@ class HoldTable:
     def release_completed(self, queries: int | None) -> int:
         """Let go of completed holds, visiting each stream at most once and
         stopping after ``queries`` queries found a hold not done (None: every
-        stream). Returns how many were released. Never blocks; never raises for a failed event
-        (its work will never run: its owner is let go)."""
+        stream). Returns how many were released. Never blocks; a failed event
+        does not raise (its work will never run: its owner is let go)."""
         done: list[Hold] = []
         modes: dict[Backend, CaptureMode] = {}
         try:
