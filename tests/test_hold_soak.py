@@ -4,9 +4,9 @@ by the work actually pending, and memory stays flat.
 Not a timed test: it counts. ``CAI_STREAMS_HOLD_SOAK`` sets the number of
 handoffs (default 100,000). Each allocates a block from the simulator's
 caching allocator, enqueues a read of it on one of three consumer streams
-(one in a hundred slow, so work piles up at times), hands it over with
-``cs.hold`` (19 in 20) or as a view from ``consume_blocking(stream=)``
-(one in 20), and drops it at once. No ``stats()`` call and no poller runs
+(every 5,000 handoffs one stream is held back for 900, so work piles up),
+hands it over with ``cs.hold`` (19 in 20) or as a view from
+``consume_blocking(stream=)`` (one in 20), and drops it at once. No ``stats()`` call and no poller runs
 during the run: only the bounded release step at each library call frees
 holds.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,10 @@ from cai_streams._hold_table import table as holds
 
 HANDOFFS = int(os.environ.get("CAI_STREAMS_HOLD_SOAK", "100000"))
 STREAMS = 3
+#: every GATE_EVERY handoffs one stream is held until GATE_OPEN handoffs later
+GATE_EVERY = 5000
+GATE_OPEN = 900
+WAIT = 30.0
 #: handoffs between two looks at the counts
 EVERY = 97
 
@@ -48,6 +53,7 @@ def test_handoffs_with_owners_dropped_at_once_keep_holds_bounded_and_memory_flat
     seen = [0.0 for _ in consumers]
     completed = [0 for _ in consumers]  # each written only by its stream's worker
     launched = [0 for _ in consumers]
+    gates: list[threading.Event] = []
     worst = {"holds": 0, "pending": 0, "over": -EVERY}
     last = {"pending": 0}
 
@@ -59,14 +65,19 @@ def test_handoffs_with_owners_dropped_at_once_keep_holds_bounded_and_memory_flat
         for i in range(start, stop):
             k = i % len(consumers)
             c = consumers[k]
+            if i % GATE_EVERY == 0:  # hold one stream back for a while: work piles up
+                gate = threading.Event()
+                gates.append(gate)
+                sim.launch(c, gate.wait, WAIT, name="gate")
+            elif i % GATE_EVERY == GATE_OPEN:
+                gates[-1].set()
             a = sim.empty(16, "float32")
-            d = 0.002 if i % 100 == 0 else None
             if i % 20 == 0:
                 view = cs.consume_blocking(a, stream=c)
-                sim.launch(c, read, k, view, duration=d)
+                sim.launch(c, read, k, view)
                 del view
             else:
-                sim.launch(c, read, k, a, duration=d)
+                sim.launch(c, read, k, a)
                 cs.hold(a, until=c)
             launched[k] += 1
             del a
@@ -108,12 +119,14 @@ def test_handoffs_with_owners_dropped_at_once_keep_holds_bounded_and_memory_flat
             e = mark()
     finally:
         device.jitter = saved
+        for gate in gates:
+            gate.set()
     print(f"\n{HANDOFFS} handoffs: worst {worst}; after warm-up {w}; at the end {e}")
     assert e["made"] - w["made"] == HANDOFFS - warm  # not a no-op: every handoff held
     assert e["released"] - w["released"] == HANDOFFS - warm  # and every hold let go
     assert holds.count == 0
     assert worst["over"] <= 0, worst  # in flight: only work pending (or just made)
-    assert worst["pending"] > 2 * EVERY, worst  # work did pile up at times
+    assert worst["pending"] > 2 * EVERY, worst  # work did pile up (the gates)
     # Blocks and events made during the run follow the pending work, not the
     # number of handoffs (a block is reused as soon as its hold is let go).
     # The allocator keeps every segment the process made, of every size.
