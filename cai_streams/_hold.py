@@ -174,19 +174,19 @@ class ViewLease(weakref.ref[ArrayView]):
         """IN_USE -> HELD (lock held). False when the stream is capturing."""
         on = self._target()
         backend = on.backend
-        with _on_device(backend, on.device, on.handle):
-            if on.handle != LEGACY_DEFAULT_STREAM and backend.is_capturing(on.handle):
-                return False
         owner, stream = self.owner, self.stream
-        # Done first: a limit passed while recording settles the queued leases,
-        # and may come back to this one (the lock is re-entrant).
-        self._end(LeaseState.HELD)
         try:
+            with _on_device(backend, on.device, on.handle):
+                if on.handle != LEGACY_DEFAULT_STREAM and backend.is_capturing(on.handle):
+                    return False
+            # Done first: a limit passed while recording settles the queued
+            # leases, and may come back to this one (the lock is re-entrant).
+            self._end(LeaseState.HELD)
             _record_hold(on, owner, self.nbytes, stacklevel=4)
         except KernelError:  # the device faulted: work after the fault never runs
-            self.state = LeaseState.DROPPED
-        except CudaError as exc:
-            self.state = LeaseState.DROPPED
+            self._end(LeaseState.DROPPED)
+        except CudaError as exc:  # the stream is gone: its work may still run
+            self._end(LeaseState.DROPPED)
             _kept.append(owner)
             warnings.warn(
                 f"kept {type(owner).__name__} alive for good: could not record a "

@@ -456,6 +456,23 @@ def test_a_released_view_whose_stream_closes_past_a_limit_is_recorded_once(
     latch.release()
 
 
+def test_a_hold_that_cannot_be_recorded_keeps_its_owner_for_good_and_warns(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    """Another library destroys the stream its own stream object names while a
+    view handed to it lives (breaking its promise): a leak, not a block reused
+    under work that may still run."""
+    raw = backend.create_stream()
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    view = cs.consume_blocking(box, stream=_ForeignStream(raw))  # kept: recorded later
+    backend.destroy_stream(raw)
+    del view, box
+    with pytest.warns(cs.CudaWarning, match="kept Box alive for good"):
+        cs.stats()
+    assert ref() is not None
+
+
 def test_a_view_on_another_threads_stream_2_released_here_waits_through_the_legacy_stream(
     ops: DeviceOps,
 ) -> None:

@@ -6,9 +6,9 @@ handoffs (default 100,000). Each allocates a block from the simulator's
 caching allocator, enqueues a read of it on one of three consumer streams
 (every 5,000 handoffs one stream is held back for 900, so work piles up),
 hands it over with ``cs.hold`` (19 in 20) or as a view from
-``consume_blocking(stream=)`` (one in 20), and drops it at once. No ``stats()`` call and no poller runs
-during the run: only the bounded release step at each library call frees
-holds.
+``consume_blocking(stream=)`` (one in 20), and drops it at once. No
+``stats()`` call and no poller runs during the run: only the bounded release
+step at each library call frees holds.
 """
 
 from __future__ import annotations
