@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import cai_streams as cs
-from cai_streams import _config
+from cai_streams import _config, sim
 
 from .device_ops import DeviceOps, Latch
 
@@ -283,6 +283,25 @@ async def test_the_shared_poller_releases_completed_holds(ops: DeviceOps) -> Non
                 await anyio.sleep(0.0005)
         p_latch.release()
     assert cs.stats()["poll_passes"] > passes
+
+
+def test_releasing_a_hold_is_no_synchronization_to_the_sanitizer(backend: cs.Backend) -> None:
+    """The library seeing a hold's event complete orders nothing in the program:
+    a host read that never waited for the writer is still a race, found on
+    every run whatever the timing."""
+    if backend.name != "sim":
+        pytest.skip("simulated kernels")
+    s = cs.Stream()
+    a = sim.asarray(np.zeros(16, np.float32))
+    sim.launch(s, np.copyto, a, np.ones(16, np.float32), writes=[a])
+    o, ref = held_owner()
+    cs.hold(o, until=s)
+    del o
+    assert released_soon(ref)  # the library saw s pass the hold
+    with pytest.raises(cs.HazardError):
+        a.to_host()  # the program never waited for s
+    s.synchronize()
+    a.to_host()  # the control: once it has, the read is ordered
 
 
 # -- limits and stats --------------------------------------------------------------------
