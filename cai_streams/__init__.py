@@ -25,8 +25,10 @@ from ._errors import CaptureError as CaptureError
 from ._errors import CudaError as CudaError
 from ._errors import CudaWarning as CudaWarning
 from ._errors import HazardError as HazardError
+from ._errors import HoldWarning as HoldWarning
 from ._errors import InterfaceError as InterfaceError
 from ._errors import KernelError as KernelError
+from ._hold import hold as hold
 from ._interface import ArrayView as ArrayView
 from ._interface import parse as read_interface
 from ._poller import PollPolicy as PollPolicy
@@ -53,6 +55,7 @@ __all__ = (
     "Event",
     "Graph",
     "HazardError",
+    "HoldWarning",
     "InterfaceError",
     "KernelError",
     "PollPolicy",
@@ -70,6 +73,7 @@ __all__ = (
     "export",
     "happens_after",
     "happens_before",
+    "hold",
     "read_interface",
     "sanitize",
     "sanitizing",

@@ -65,6 +65,8 @@ from ._config import settings
 from ._device import device_of
 from ._dlpack_import import Protocol, cuda_device_of, take, uses_dlpack
 from ._events import EventPool, Mark, pool_for, record
+from ._hold import ViewLease, hold_view_owner, view_done
+from ._hold_table import tick as release_holds
 from ._identity import stream_id_now
 from ._interface import ArrayView, byte_range, parse
 from ._pending import PendingWork
@@ -364,7 +366,21 @@ def _handoffs(
     objs: Sequence[object], stream: object, sync: object, protocol: object = None
 ) -> list[_Handoff]:
     backend = current_backend()
+    release_holds()  # a bounded step: completed holds, released views
     return [_handoff(obj, stream, sync, backend, protocol) for obj in objs]
+
+
+#: rows that hand the view to the consumer's stream: its owner is held until
+#: that stream passes the work enqueued while the view is in use (``_hold``)
+_TO_STREAM = frozenset(
+    (Mode.TRACKED_ENQUEUE, Mode.UNTRACKED_ENQUEUE, Mode.DLPACK_ENQUEUE, Mode.READY)
+)
+
+
+def _keep_owner(h: _Handoff) -> ViewLease | None:
+    if h.stream is None or h.mode not in _TO_STREAM:
+        return None
+    return hold_view_owner(h.view, h.stream)
 
 
 async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
@@ -433,6 +449,7 @@ async def consume(
     check_timeout(timeout)
     (handoff,) = _handoffs([obj], stream, sync, protocol)
     await _run([handoff], timeout)
+    _keep_owner(handoff)
     return handoff.view
 
 
@@ -452,6 +469,8 @@ async def consume_all(
     check_timeout(timeout)
     handoffs = _handoffs(objs, stream, sync, protocol)
     await _run(handoffs, timeout)
+    for h in handoffs:
+        _keep_owner(h)
     return [h.view for h in handoffs]
 
 
@@ -486,6 +505,7 @@ def consume_blocking(
         complete = True
     finally:
         handoff.finish(complete=complete)
+    _keep_owner(handoff)
     return handoff.view
 
 
@@ -510,7 +530,10 @@ async def consuming(
     check_timeout(timeout)
     (handoff,) = _handoffs([obj], stream, sync, protocol)
     await _run([handoff], timeout)
+    lease = _keep_owner(handoff)
     try:
         yield handoff.view
     finally:
         handoff.back_edge()
+        if handoff.stream is not None and handoff.mode in _TO_STREAM:
+            view_done(handoff.view, handoff.stream, lease)

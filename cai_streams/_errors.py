@@ -8,6 +8,7 @@ __all__ = [
     "CudaError",
     "CudaWarning",
     "HazardError",
+    "HoldWarning",
     "InterfaceError",
     "KernelError",
 ]
@@ -94,4 +95,14 @@ class CudaWarning(RuntimeWarning):
 
     Following cuda.core, a failed destroy becomes a warning: a leaked handle is
     preferable to a dangling one.
+    """
+
+
+class HoldWarning(ResourceWarning):
+    """Stream-ordered holds past ``hold_limit_count`` or ``hold_limit_bytes``.
+
+    Given once per limit setting, after the completed holds were released: it
+    says how many holds are in flight, how many bytes they keep alive, and on
+    which streams the oldest wait. Holds never block; raise the limit with
+    :func:`~cai_streams.configure` or find the stream that makes no progress.
     """

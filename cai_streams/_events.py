@@ -93,6 +93,14 @@ class EventPool:
                 self._draining.append((event, keepalive))
             self._reclaim(limit=2)
 
+    def reuse(self, event: int) -> None:
+        """Give back ``event``, which the caller saw complete: free at once, no query."""
+        with self._lock:
+            if len(self._free) < MAX_FREE:
+                self._free.append(event)
+                return
+        self._destroy(event)
+
     def reclaim(self) -> None:
         """Move every completed released event to the free list."""
         with self._lock:

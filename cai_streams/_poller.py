@@ -22,7 +22,7 @@ import enum
 import math
 import time
 from collections import deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -108,6 +108,11 @@ def set_poll_policy(policy: PollPolicy) -> PollPolicy:
         raise TypeError(f"expected a PollPolicy, got {type(policy).__name__}")
     old, _policy = _policy, policy
     return old
+
+
+#: bounded work done on every pass (releasing completed stream-ordered holds);
+#: each must never block or raise
+pass_hooks: list[Callable[[], None]] = []
 
 
 class _Counters:
@@ -248,6 +253,8 @@ class _Poller:
     async def _pass(self) -> bool:
         """Query each stream's oldest pending event; wake what completed."""
         counters.passes += 1
+        for hook in pass_hooks:
+            hook()
         woke = False
         budget = _policy.slice
         started = time.perf_counter()

@@ -19,6 +19,8 @@ from ._access import Counters
 from ._backend import Backend, current_backend
 from ._errors import CudaError
 from ._events import pool_for, pools_of, record
+from ._hold_table import table as holds
+from ._hold_table import tick as release_holds
 from ._identity import StreamId, stream_id_now
 from ._interface import ArrayView, byte_range
 from ._pending import PendingWork
@@ -79,6 +81,7 @@ class Scheduler:
 
     def work_of(self, obj: object) -> PendingWork | None:
         """The pending work of ``obj`` if it is tracked. Does not block."""
+        release_holds()  # every handoff and track() passes here: a bounded step
         if self._collected or self._orphans:
             self.collect(limit=4)
         work = self.buffers.get(id(obj))
@@ -192,8 +195,12 @@ def stats() -> dict[str, int]:
     consumers), ``waits_elided`` (pending work found complete), ``exports``,
     ``tracked`` (buffers with tracked state); and, for the shared poller of
     every event loop, ``poll_passes``, ``poll_queries`` (event queries made)
-    and ``poll_wakes`` (waiters woken). Does not block.
+    and ``poll_wakes`` (waiters woken); and, for the stream-ordered holds of
+    every device (``cs.hold``, views handed to a stream), ``holds`` (in
+    flight), ``hold_bytes`` (bytes their owners say they have), ``holds_made``
+    and ``holds_released``. Does not block: completed holds are released first.
     """
+    holds.sweep()
     backend = current_backend()
     scheds = schedulers_of(backend) or [scheduler_for(backend)]
     pools = pools_of(backend)
@@ -215,4 +222,8 @@ def stats() -> dict[str, int]:
         "waits_elided": sum(s.counters.elided for s in scheds),
         "exports": sum(s.counters.exports for s in scheds),
         "tracked": sum(len(s.buffers) for s in scheds),
+        "holds": holds.count,
+        "hold_bytes": holds.nbytes,
+        "holds_made": holds.made,
+        "holds_released": holds.released,
     }

@@ -62,7 +62,9 @@ def _no_sticky_fault_leaks() -> Iterator[None]:
     device until ``sim.reset()``, as a device-side fault does) is reset."""
     yield
     from cai_streams._backend._sim import SimBackend
+    from cai_streams._hold_table import table as holds
 
+    holds.sweep()  # views the test released record their holds now, not in the next test
     for backend in list(_backend._instances.values()):
         if isinstance(backend, SimBackend):
             # the caching allocator hands a freed block out at once: a test's
@@ -71,6 +73,7 @@ def _no_sticky_fault_leaks() -> Iterator[None]:
             for device in backend._devices:
                 if device.fault is not None:
                     backend.reset(device.ordinal)
+    holds.sweep()  # and, complete, are let go
 
 
 @pytest.fixture(autouse=True)

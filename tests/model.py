@@ -10,6 +10,12 @@ at once on several threads when their order does not matter to the oracle
 (a consumer that starts while another thread's ``writing()`` block is open
 sees that write).
 
+A ``dropped_owner`` step gives a fresh array to a stream (``cs.hold``, a
+view from ``consume(stream=)`` or ``consuming()``), enqueues a read of it and
+drops it at once; the next allocation of its size, which the caching allocator
+may serve from its block, is written at once: the read must still see the
+dropped array's values.
+
 Every write stores fresh values, every read copies the buffer to a result
 array (or to the host), and the oracle is the same program run sequentially
 on numpy. After each program every stream is synchronized, every result is
@@ -152,8 +158,9 @@ class _Gen:
                 "held_write",
                 "held_read",
                 "export_in_block",
+                "dropped_owner",
             ],
-            weights=[10, 4, 6, 6, 6, 6, 3, 4, 3, 3, 3, 2, 1, 4, 5, 1, 3, 2, 2, 2],
+            weights=[10, 4, 6, 6, 6, 6, 3, 4, 3, 3, 3, 2, 1, 4, 5, 1, 3, 2, 2, 2, 4],
         )[0]
         b = self.tracked()
         free = [p for p in range(PARTS) if p not in self.open_parts[b]]
@@ -164,7 +171,15 @@ class _Gen:
             self.open_parts[b].update(parts)
         elif kind == "consume_all":
             pass  # closes the groups of the buffers it names (below)
-        elif kind not in ("drop", "cancel", "track_race", "produce", "consume_untracked", "close"):
+        elif kind not in (
+            "drop",
+            "cancel",
+            "track_race",
+            "produce",
+            "consume_untracked",
+            "close",
+            "dropped_owner",
+        ):
             self.open_parts[b] = set()
         if kind == "write":
             return Step(
@@ -277,6 +292,15 @@ class _Gen:
             return Step(kind, thread, {"mode": mode, "s": self.read_stream(), "d": self.duration()})
         if kind == "track_race":
             return Step(kind, "loop", {"b": b})
+        if kind == "dropped_owner":
+            how = rng.choice(["hold", "consume", "consuming"])
+            s = self.read_stream()
+            if how == "consume" and s[0] == "int":
+                how = "hold"  # a bare handle's view keeps its owner only while it lives
+            thread = "loop" if how == "consuming" else self.any_thread()
+            return Step(
+                kind, thread, {"how": how, "s": s, "value": self.fresh(), "d": self.duration()}
+            )
         if kind == "readers":
             threads = rng.sample(THREADS, rng.randint(2, 4))
             return Group(
@@ -646,8 +670,32 @@ class _State:
             self.produce(a["value"], a["d"])
         elif kind == "consume_untracked":
             self.consume_untracked_sync(st)
+        elif kind == "dropped_owner":
+            self.dropped_owner_sync(st)
         else:
             raise AssertionError(f"no synchronous step {kind}")
+
+    def dropped_owner_sync(self, st: Step) -> None:
+        a = st.args
+        s = self.stream(a["s"])
+        owner = sim.asarray(np.full(N, a["value"], np.int64))
+        out = self.new_result()
+        if a["how"] == "hold":
+            self.launch_copy(s, out, owner, a["d"])
+            cs.hold(owner, until=s)
+        else:
+            view = cs.consume_blocking(owner, stream=s, timeout=WAIT)
+            self.launch_copy(s, out, view, a["d"])
+            del view
+        del owner
+        self.owner_dropped(f"dropped owner ({a['how']})", out, a["value"])
+
+    def owner_dropped(self, what: str, out: sim.SimArray, value: int) -> None:
+        """The owner of ``value`` is gone: the next allocation of its size
+        (which may be its block) is written now, on the host."""
+        sim.asarray(np.full(N, -value, np.int64))  # and given back: the next may take it too
+        with self.lock:
+            self.results.append((what, out, np.full(N, value, np.int64)))
 
     def opt_out_read(self, view: cs.ArrayView, b: str, d: float) -> None:
         """sync=False: the consumer orders itself after the stream the view
@@ -785,6 +833,14 @@ class _State:
             await self.held_read(st)
         elif kind == "interface_write":
             await self.interface_write(a["b"], a["value"], a["d"])
+        elif kind == "dropped_owner" and a["how"] == "consuming":
+            s = self.stream(a["s"])
+            owner = sim.asarray(np.full(N, a["value"], np.int64))
+            out = self.new_result()
+            async with cs.consuming(owner, stream=s, timeout=WAIT) as view:
+                self.launch_copy(s, out, view, a["d"])
+            del view, owner
+            self.owner_dropped("dropped owner (consuming)", out, a["value"])
         else:
             self.run_sync(st)
 

@@ -7,7 +7,8 @@
 * A freed block goes to the next allocation of its size at once (CuPy's pool
   on cuda, the simulator's on sim), whatever work is still pending on it: a
   pending reader reads the next owner's data. The last test is the library's
-  side of that hazard, which it does not handle yet (issue 18).
+  side of that hazard: ``cs.hold`` and views handed to a stream keep the owner
+  until the consumer's stream has passed its reads.
 """
 
 from __future__ import annotations
@@ -129,22 +130,38 @@ def test_a_pending_reader_of_a_freed_block_reads_its_next_owner(ops: DeviceOps) 
     np.testing.assert_array_equal(ops.to_host(out), 2.0)  # wrong data: b's, not a's
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library does not yet hold owners until consumer streams pass (issue 18)",
-)
-def test_a_view_handed_to_a_stream_keeps_its_owner_until_the_stream_passes(
-    ops: DeviceOps,
+@pytest.mark.parametrize("keep", ["nothing", "hold", "view"])
+def test_readers_on_three_streams_of_a_dropped_owner_read_its_data_only_if_held(
+    ops: DeviceOps, keep: str
 ) -> None:
-    consumer = cs.Stream()
+    """The allocator hazard across three consumer streams, each held by a latch
+    (and jittered): without anything keeping the owner (the control) the
+    readers see the next allocation's data; with ``cs.hold`` on each stream,
+    or with views handed to each stream by ``consume(stream=)`` and dropped,
+    they see the owner's."""
+    consumers = [cs.Stream() for _ in range(3)]
     a = ops.array(np.full(1000, 1.0, np.float32))
-    out = ops.array(np.zeros(1000, np.float32))
-    latch = ops.latch(consumer)
-    view = cs.consume_blocking(a, stream=consumer)
-    ops.copy(consumer, out, view)  # enqueued while the view is in use
-    del view, a
-    gc.collect()
-    ops.array(np.full(1000, 2.0, np.float32))  # would take a's block if it were free
-    latch.release()
-    consumer.synchronize()
-    np.testing.assert_array_equal(ops.to_host(out), 1.0)
+    ptr = _ptr(a)
+    outs = [ops.array(np.zeros(1000, np.float32)) for _ in consumers]
+    latches = [ops.latch(c) for c in consumers]
+    with cs.sanitize(False):  # the control races on purpose
+        for i, (c, out) in enumerate(zip(consumers, outs, strict=True)):
+            if keep == "view":
+                view = cs.consume_blocking(a, stream=c)
+                ops.copy(c, out, view, duration=0.001 * i)
+                del view  # released: its owner is held until c passes the copy
+            else:
+                ops.copy(c, out, a, duration=0.001 * i)
+                if keep == "hold":
+                    cs.hold(a, until=c)
+        del a
+        gc.collect()
+        b = ops.array(np.full(1000, 2.0, np.float32))
+        assert (_ptr(b) == ptr) is (keep == "nothing")  # a held block is not handed out
+        for latch in latches:
+            latch.release()
+        for c in consumers:
+            c.synchronize()
+    expected = 2.0 if keep == "nothing" else 1.0
+    for out in outs:
+        np.testing.assert_array_equal(ops.to_host(out), expected)

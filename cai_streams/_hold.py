@@ -1,0 +1,263 @@
+"""Stream-ordered lifetime: ``hold(owner, until=stream)``, and views that keep
+their owner until the consumer's stream has passed the work enqueued while the
+view was in use.
+
+A hold records one pooled event on the stream and keeps the owner until the
+event completes (see ``_hold_table``); it only enqueues. A view handed to a
+stream (``consume(stream=s)``) gets a :class:`ViewLease`: the lease keeps the
+owner too, and when the view is collected a hold is recorded on ``s``, which
+covers everything enqueued while the view was in use. The record is made:
+
+* on ``consuming()`` exit, in the consumer's thread (the stream is alive);
+* when the view is released: a weakref callback only queues the lease (it
+  runs in any thread, inside any lock); the next library call or poller pass
+  records it, from whatever thread that is. That is safe only on streams
+  whose life the library sees (``Stream._records_later``): a stream it made
+  (closing it records first), the legacy stream, a wrapped stream object the
+  lease keeps alive, and handle 2 (from another thread: on the legacy stream,
+  which waits for it). A bare handle of another library's stream may be gone
+  or reused by then: no lease is made, and the owner lives as long as the view;
+* when the consumer's stream (one the library made) closes with the view alive.
+
+A stream that is capturing a graph cannot take a record whose event is then
+queried: ``hold`` raises :class:`~cai_streams.CaptureError`, and a lease waits
+until the capture has ended.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
+from ._errors import CaptureError, CudaError, CudaWarning, KernelError
+from ._events import record
+from ._hold_table import Hold, relaxed, table, tick
+from ._identity import Lifetime, StreamId, thread_serial
+from ._interface import ArrayView
+from ._scheduler import scheduler_for
+from ._stream import Stream, as_stream
+
+__all__ = ["LeaseState", "ViewLease", "hold", "hold_view_owner", "view_done"]
+
+#: owners whose hold could not be recorded (a driver error): kept for good,
+#: as a leak is better than a block reused under pending work
+_kept: list[object] = []
+
+
+def nbytes_of(owner: object) -> int:
+    """The bytes ``owner`` says it has (``nbytes``), else 0. Reads no interface."""
+    nbytes = getattr(owner, "nbytes", 0)
+    return nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else 0
+
+
+@contextmanager
+def _on_device(backend: Backend, device: int, handle: int) -> Iterator[None]:
+    """Handles 1 and 2 name the current device's streams: make it ``device``."""
+    if handle not in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM):
+        yield
+        return
+    previous = backend.current_device()
+    if previous == device:
+        yield
+        return
+    backend.set_device(device)
+    try:
+        yield
+    finally:
+        backend.set_device(previous)
+
+
+def _record_hold(key: StreamId, owner: object, nbytes: int, *, stacklevel: int) -> None:
+    """Record one pooled event on ``key`` (the calling thread's for handle 2)
+    and keep ``owner`` until it completes. Only enqueues."""
+    pool = scheduler_for(key.backend, key.device).pool
+    with relaxed(key.backend):  # the pool queries events: never break a capture
+        event = pool.acquire()
+        try:
+            with _on_device(key.backend, key.device, key.handle):
+                mark = record(key.backend, event, key)
+        except BaseException:
+            pool.release(event)
+            raise
+    table.add(Hold(pool, event, mark, owner, nbytes), stacklevel=stacklevel + 1)
+
+
+def hold(owner: object, *, until: object) -> None:
+    """Keep ``owner`` alive until the work enqueued on ``until`` so far has completed.
+
+    Only enqueues GPU work (one pooled event recorded on ``until``); never
+    blocks, needs no event loop, and may be called from any thread. ``until``
+    is anything :meth:`Stream.wrap` takes; handle 2 is the calling thread's
+    per-thread default stream. The owner is let go by the shared poller, or
+    at a later library call, once the event is complete.
+
+    Use it when work enqueued on a stream reads memory whose owner you are
+    about to drop: a caching allocator (CuPy's, PyTorch's, the simulator's)
+    hands the block to the next allocation at once, whatever is pending on
+    it. Past ``hold_limit_count`` or ``hold_limit_bytes``
+    (:func:`configure`), completed holds are released first, then a
+    :class:`HoldWarning` is given once. Raises :class:`CaptureError` when
+    ``until`` is capturing a graph: hold the owner for as long as the graph
+    lives instead (or call ``hold`` on the stream the graph is launched on,
+    after the launch).
+    """
+    tick()
+    if owner is None:
+        raise TypeError("hold() needs the object to keep alive, got None")
+    backend = current_backend()
+    s = as_stream(until, backend)
+    handle = s.handle  # a closed Stream refuses
+    if backend.is_capturing(handle):
+        raise CaptureError(
+            f"hold() cannot record on {s!r}: it is capturing a graph, and an event "
+            "recorded in a capture cannot be queried. Keep the owner alive as long "
+            "as the graph, or call hold(owner, until=stream) after the graph's "
+            "launch on the stream it was launched on."
+        )
+    _record_hold(s._key(), owner, nbytes_of(owner), stacklevel=2)
+
+
+class LeaseState(enum.Enum):
+    #: the view may still be in use: the lease keeps its owner as well
+    IN_USE = "in use"
+    #: a hold is recorded for everything enqueued while the view was in use
+    HELD = "held"
+    #: nothing left to record (the stream closed during a capture, or the
+    #: device faulted): the lease let go
+    DROPPED = "dropped"
+
+
+def _view_released(lease: weakref.ref[ArrayView]) -> None:
+    # A weakref callback: any thread, inside any lock. Only queue.
+    table.released_views.append(lease)  # type: ignore[arg-type]
+
+
+#: leases in use (a weakref callback fires only while its weakref lives)
+_live: set[ViewLease] = set()
+
+
+class ViewLease(weakref.ref[ArrayView]):
+    """A view handed to a stream: its owner is held until the stream passes
+    the work enqueued while the view was in use (see the module docstring)."""
+
+    __slots__ = ("_lock", "key", "keepalive", "lifetime", "nbytes", "owner", "state", "stream")
+
+    def __new__(cls, view: ArrayView, stream: Stream) -> ViewLease:
+        return super().__new__(cls, view, _view_released)
+
+    def __init__(self, view: ArrayView, stream: Stream) -> None:
+        self._lock = threading.RLock()
+        self.key = stream._key()  # for handle 2: the consumer's thread's stream
+        self.lifetime: Lifetime | None = stream._lifetime
+        # an owned stream must not be destroyed by its collection before the
+        # record; a wrapped stream object stays alive even if the wrapper is closed
+        self.stream: Stream | None = stream
+        self.keepalive: object = stream._keepalive
+        self.owner: object = view.owner
+        self.nbytes = view.nbytes
+        self.state = LeaseState.IN_USE
+
+    def _target(self) -> StreamId:
+        """Where to record from this thread: the consumer's stream, or for
+        another thread's handle 2, the legacy stream (which waits for it)."""
+        key = self.key
+        if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
+            return StreamId(key.backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0)
+        return key
+
+    def _record(self) -> bool:
+        """IN_USE -> HELD (lock held). False when the stream is capturing."""
+        on = self._target()
+        backend = on.backend
+        owner, stream = self.owner, self.stream
+        try:
+            with _on_device(backend, on.device, on.handle):
+                if on.handle != LEGACY_DEFAULT_STREAM and backend.is_capturing(on.handle):
+                    return False
+            # Done first: a limit passed while recording settles the queued
+            # leases, and may come back to this one (the lock is re-entrant).
+            self._end(LeaseState.HELD)
+            _record_hold(on, owner, self.nbytes, stacklevel=4)
+        except KernelError:  # the device faulted: work after the fault never runs
+            self._end(LeaseState.DROPPED)
+        except CudaError as exc:  # the stream is gone: its work may still run
+            self._end(LeaseState.DROPPED)
+            _kept.append(owner)
+            warnings.warn(
+                f"kept {type(owner).__name__} alive for good: could not record a "
+                f"hold on {self.key.describe()}: {exc}",
+                CudaWarning,
+                stacklevel=4,
+            )
+        del stream  # an owned stream may be destroyed now: its hold is recorded
+        return True
+
+    def _end(self, state: LeaseState) -> None:
+        self.state = state
+        self.owner = None
+        self.stream = self.keepalive = None
+        lifetime = self.lifetime
+        if lifetime is not None:
+            lifetime.forget(self)
+        _live.discard(self)
+
+    def settle(self) -> bool:
+        """The view was collected: record the hold now, from this thread."""
+        with self._lock:
+            if self.state is not LeaseState.IN_USE:
+                return True
+            return self._record()
+
+    def end_use(self) -> None:
+        """``consuming()`` exit, in the consumer's thread: record the hold now
+        (while capturing, the view's release records it instead)."""
+        with self._lock:
+            if self.state is LeaseState.IN_USE:
+                self._record()
+
+    def stream_closing(self) -> None:
+        """The consumer's stream is closing: record while it exists."""
+        with self._lock:
+            if self.state is LeaseState.IN_USE and not self._record():
+                self._end(LeaseState.DROPPED)  # no work of a capture will run on it
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
+    """``view`` was handed to ``stream``: keep ``view.owner`` until ``stream``
+    has passed what is enqueued while the view is in use (until it is collected).
+
+    Call it in the thread of the handoff (handle 2 is that thread's stream).
+    Only bookkeeping; nothing is enqueued now. None when nothing will be
+    recorded: no owner, or a bare handle of a stream the library cannot see
+    the end of (the owner then lives exactly as long as the view).
+    """
+    if view.owner is None or not stream._records_later():
+        return None
+    lease = ViewLease(view, stream)
+    lifetime = lease.lifetime
+    if lifetime is not None and not lifetime.listen(lease):
+        return None  # the stream is closing: nothing more will run on it
+    _live.add(lease)
+    return lease
+
+
+def view_done(view: ArrayView, stream: Stream, lease: ViewLease | None) -> None:
+    """``consuming()`` exit: the stream is known alive, so record the hold now,
+    on a bare handle too. Only enqueues."""
+    if lease is not None:
+        lease.end_use()
+    elif view.owner is not None and not stream.closed:
+        key = stream._key()
+        if not stream.backend.is_capturing(key.handle):
+            _record_hold(key, view.owner, view.nbytes, stacklevel=3)

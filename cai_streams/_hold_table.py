@@ -1,0 +1,250 @@
+"""Holds in flight: owners kept alive until an event recorded on a stream completes.
+
+Every hold (``cs.hold``, a view handed to a stream) is one pooled event and
+the object it keeps. The table keeps them per stream identity in record
+order: events recorded on one stream complete in that order, so releasing
+looks at each stream's oldest hold and stops at the first one not done.
+
+Nothing here waits. Completed holds are let go by :func:`tick`, which the
+shared poller calls on every pass and the library calls on entry (bounded
+work: a few queries), and by :meth:`HoldTable.sweep` when a limit is passed or
+``cs.stats()`` asks. Queries run in the ``relaxed`` capture mode, so releasing
+never invalidates a graph capture in another thread. Owners are dropped
+outside the table's lock: their finalizers may call the library.
+
+Views whose release must record a hold (see ``_hold``) are queued here by a
+weakref callback, which may run in any thread inside any lock, so it only
+appends; :func:`tick` settles them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+from ._backend import Backend, CaptureMode
+from ._config import settings
+from ._errors import CudaError, HoldWarning
+from ._events import EventPool, Mark
+from ._identity import StreamId
+from ._poller import pass_hooks
+
+__all__ = ["Hold", "HoldTable", "Settles", "relaxed", "table", "tick"]
+
+#: queries that find a hold not done, per call of :func:`tick` (the per-call
+#: bound; the queries that find holds done release them, about log2 of their number)
+TICK_QUERIES = 2
+#: released views one call of :func:`tick` settles
+TICK_SETTLES = 4
+
+
+@contextmanager
+def relaxed(backend: Backend) -> Iterator[None]:
+    """This thread's capture mode is ``relaxed`` inside: the event queries of
+    the pool and of the table never invalidate a graph capture."""
+    previous = backend.exchange_capture_mode("relaxed")
+    try:
+        yield
+    finally:
+        backend.exchange_capture_mode(previous)
+
+
+class Hold:
+    """One owner kept until ``event`` (recorded at ``mark``) completes."""
+
+    __slots__ = ("event", "failed", "mark", "nbytes", "owner", "pool", "since")
+
+    def __init__(self, pool: EventPool, event: int, mark: Mark, owner: object, nbytes: int) -> None:
+        self.pool = pool
+        self.event = event
+        self.mark = mark
+        self.owner = owner
+        self.nbytes = nbytes
+        self.since = time.monotonic()
+        self.failed = False  # its query raised: the event is never reused
+
+
+class Settles(Protocol):
+    """A released view whose hold is still to be recorded (``_hold.ViewLease``)."""
+
+    def settle(self) -> bool:
+        """Record its hold if it can now; False to be asked again later."""
+
+
+class HoldTable:
+    """Every hold in flight, per stream in record order (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # bookkeeping and a bounded number of queries
+        self._streams: dict[StreamId, deque[Hold]] = {}
+        self._turn: deque[StreamId] = deque()  # which stream's oldest hold to query next
+        self.count = 0
+        self.nbytes = 0
+        self.made = 0
+        self.released = 0
+        self.released_views: deque[Settles] = deque()
+        self._warned_at: tuple[int, int] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.count or self.released_views)
+
+    def add(self, hold: Hold, *, stacklevel: int) -> None:
+        """Keep ``hold`` until its event completes; past a limit, release the
+        completed holds first, then warn once. Never blocks."""
+        key = hold.mark.key
+        with self._lock:
+            queue = self._streams.get(key)
+            if queue is None:
+                queue = self._streams[key] = deque()
+                self._turn.append(key)
+            queue.append(hold)
+            self.count += 1
+            self.nbytes += hold.nbytes
+            self.made += 1
+        if self._over_limit():
+            self.sweep()
+            if self._over_limit():
+                self._warn(stacklevel + 1)
+
+    def _over_limit(self) -> bool:
+        count, nbytes = settings.hold_limit_count, settings.hold_limit_bytes
+        return bool((count and self.count > count) or (nbytes and self.nbytes > nbytes))
+
+    def _warn(self, stacklevel: int) -> None:
+        limits = (settings.hold_limit_count, settings.hold_limit_bytes)
+        with self._lock:
+            if self._warned_at == limits:
+                return
+            self._warned_at = limits
+            oldest = sorted(
+                ((q[0].since, key, len(q)) for key, q in self._streams.items() if q),
+                key=lambda item: item[0],
+            )[:3]
+            count, nbytes = self.count, self.nbytes
+        now = time.monotonic()
+        where = "; ".join(
+            f"{key.describe()} on device {key.device}: {n} holds, the oldest {now - since:.3g} s"
+            for since, key, n in oldest
+        )
+        warnings.warn(
+            f"{count} stream-ordered holds in flight keep {nbytes} bytes alive "
+            f"(limits: {limits[0] or 'none'} holds, {limits[1] or 'none'} bytes); "
+            f"the oldest wait on {where}. Each is released once its stream passes the "
+            "point where it was recorded: check that those streams make progress, or "
+            "raise the limit (cs.configure(hold_limit_count=..., hold_limit_bytes=...)). "
+            "This warning is given once per limit setting.",
+            HoldWarning,
+            stacklevel=stacklevel,
+        )
+
+    def release_completed(self, queries: int | None) -> int:
+        """Let go of completed holds, visiting each stream at most once and
+        stopping after ``queries`` queries found a hold not done (None: every
+        stream). Returns how many were released. Never blocks; a failed event
+        does not raise (its work will never run: its owner is let go)."""
+        done: list[Hold] = []
+        modes: dict[Backend, CaptureMode] = {}
+        try:
+            with self._lock:
+                budget = len(self._turn) if queries is None else queries
+                streams = len(self._turn)
+                while budget > 0 and streams > 0 and self._turn:
+                    key = self._turn.popleft()
+                    streams -= 1
+                    queue = self._streams[key]
+                    budget = self._take_completed(queue, budget, modes, done)
+                    if queue:
+                        self._turn.append(key)
+                    else:
+                        del self._streams[key]
+                self.count -= len(done)
+                self.nbytes -= sum(h.nbytes for h in done)
+                self.released += len(done)
+            for hold in done:  # outside the lock; the pool queries too: still relaxed
+                if hold.failed:
+                    hold.pool.release(hold.event)  # never reused
+                else:
+                    hold.pool.reuse(hold.event)  # no query: seen complete already
+        finally:
+            for backend, mode in modes.items():
+                backend.exchange_capture_mode(mode)
+        released = len(done)
+        del done  # the owners go now, outside the lock: their finalizers may call us
+        return released
+
+    def _take_completed(
+        self, queue: deque[Hold], budget: int, modes: dict[Backend, CaptureMode], done: list[Hold]
+    ) -> int:
+        """Move the completed holds at the front of one stream's ``queue`` to
+        ``done``; returns the budget left, which only a query that finds a hold
+        not done spends. Holds complete in record order, so the oldest are
+        probed at doubling distances and each probe found done releases all up
+        to it: a backlog of n completed holds takes about log2(n) queries."""
+        step = 1
+        while queue:
+            i = min(step, len(queue)) - 1
+            if not self._complete(queue[i], modes):
+                return budget - 1
+            for _ in range(i + 1):
+                done.append(queue.popleft())
+            step *= 2
+        return budget
+
+    @staticmethod
+    def _complete(hold: Hold, modes: dict[Backend, CaptureMode]) -> bool:
+        backend = hold.mark.key.backend
+        if backend not in modes:
+            modes[backend] = backend.exchange_capture_mode("relaxed")
+        try:
+            # Not through the observers: the library seeing a hold complete
+            # orders nothing in the program, and the sanitizer must not count
+            # it (a race would be found only when a query came too early).
+            return type(backend).query(backend, hold.event)
+        except CudaError:  # the work before it failed and will never run
+            hold.failed = True
+            return True
+
+    def sweep(self) -> None:
+        """Settle every released view, then release every completed hold."""
+        for _ in range(len(self.released_views)):
+            self._settle_one()
+        self.release_completed(None)
+
+    def _settle_one(self) -> None:
+        try:
+            lease = self.released_views.popleft()
+        except IndexError:
+            return
+        if not lease.settle():
+            self.released_views.append(lease)  # its stream cannot take a record yet
+
+
+table = HoldTable()
+
+
+def tick() -> None:
+    """Bounded release work, done by the shared poller on every pass and by
+    the library on entry: settle a few released views, query a few holds.
+    Never blocks."""
+    if not table.busy:
+        return
+    for _ in range(min(TICK_SETTLES, len(table.released_views))):
+        table._settle_one()
+    if table.count:
+        table.release_completed(TICK_QUERIES)
+
+
+def _tick_in_poller() -> None:
+    try:
+        tick()
+    except Exception:  # never end the poller: the next library call runs the same
+        pass  # step and raises into its caller (a warning turned into an error)
+
+
+pass_hooks.append(_tick_in_poller)

@@ -1,0 +1,555 @@
+"""Stream-ordered lifetime: ``cs.hold(owner, until=stream)`` and views handed to a stream.
+
+Each guarantee is shown on an owner that is weakly referenced: it must be
+alive while the stream has not passed the point, and gone once it has (the
+control: the same owner without a hold is gone at once). Data-level proof
+(the caching allocator handing a dropped owner's block out) is in
+``test_conformance_lifetime.py`` and the model test.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams import _config, sim
+
+from .device_ops import DeviceOps, Latch
+
+WAIT = 10.0  # seconds: every wait here is bounded by this
+
+
+class Owner:
+    """An object to keep alive, weakly referenceable; says its size."""
+
+    def __init__(self, nbytes: int | None = None) -> None:
+        if nbytes is not None:
+            self.nbytes = nbytes
+
+
+class Box:
+    """A CAI object over a device array that can be weakly referenced; its
+    interface names ``stream`` (None: nothing pending)."""
+
+    def __init__(self, arr: Any, stream: int | None = None) -> None:
+        self.arr = arr
+        self.stream = stream
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        cai: dict[str, Any] = dict(self.arr.__cuda_array_interface__)
+        cai["stream"] = self.stream
+        return cai
+
+
+def released_soon(ref: weakref.ref[Any], step: Callable[[], object] = cs.stats) -> bool:
+    """Whether ``ref`` dies within WAIT while ``step`` (a library call) runs."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        gc.collect(0)
+        if ref() is None:
+            return True
+        step()
+        time.sleep(0.0005)
+    return ref() is None
+
+
+def held_owner(nbytes: int | None = None) -> tuple[Owner, weakref.ref[Owner]]:
+    o = Owner(nbytes)
+    return o, weakref.ref(o)
+
+
+def latched_view(ops: DeviceOps) -> tuple[cs.Stream, Latch, cs.ArrayView, weakref.ref[Box]]:
+    """A view handed to a new stream that a latch holds; a weak reference to its owner."""
+    s = cs.Stream()
+    latch = ops.latch(s)
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    return s, latch, cs.consume_blocking(box, stream=s), weakref.ref(box)
+
+
+@pytest.fixture
+def limits() -> Iterator[None]:
+    saved = (_config.settings.hold_limit_count, _config.settings.hold_limit_bytes)
+    try:
+        yield
+    finally:
+        cs.configure(hold_limit_count=saved[0], hold_limit_bytes=saved[1])
+
+
+# -- hold() -----------------------------------------------------------------------------
+
+
+def test_hold_keeps_the_owner_until_the_work_enqueued_before_it_completes(
+    ops: DeviceOps,
+) -> None:
+    s = cs.Stream()
+    first = ops.latch(s)
+    o, ref = held_owner()
+    cs.hold(o, until=s)
+    later = ops.latch(s)  # enqueued after the hold: not waited for
+    control, control_ref = held_owner()
+    del o, control
+    cs.stats()
+    assert control_ref() is None  # nothing held it
+    assert ref() is not None  # s has not passed the hold
+    first.release()
+    assert released_soon(ref)  # while `later` still holds s
+    later.release()
+    s.synchronize()
+
+
+def test_hold_only_enqueues_and_needs_no_event_loop(ops: DeviceOps) -> None:
+    s = cs.Stream()
+    latch = ops.latch(s)
+    o, ref = held_owner()
+    errors: list[BaseException] = []
+
+    def hold_from_a_thread(owner: Owner) -> None:
+        try:
+            cs.hold(owner, until=s)
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=hold_from_a_thread, args=(o,))
+    del o
+    worker.start()
+    worker.join(WAIT)
+    assert not worker.is_alive() and not errors  # returned while s is held
+    assert ref() is not None
+    latch.release()
+    assert released_soon(ref)
+
+
+def test_hold_on_handle_2_is_the_calling_threads_per_thread_stream(ops: DeviceOps) -> None:
+    entered, leave, done = threading.Event(), threading.Event(), threading.Event()
+    refs: list[weakref.ref[Owner]] = []
+
+    def thread_a() -> None:
+        latch = ops.latch(cs.Stream.wrap(2))  # A's stream 2 is held
+        o = Owner()
+        refs.append(weakref.ref(o))
+        cs.hold(o, until=2)
+        del o
+        entered.set()
+        leave.wait(WAIT)
+        latch.release()
+        cs.current_backend().synchronize_stream(2)
+        done.set()
+
+    a = threading.Thread(target=thread_a)
+    a.start()
+    try:
+        assert entered.wait(WAIT)
+        mine, my_ref = held_owner()
+        cs.hold(mine, until=2)  # this thread's stream 2: idle
+        del mine
+        assert released_soon(my_ref)
+        assert refs[0]() is not None  # A's hold waits for A's stream 2
+    finally:
+        leave.set()
+        a.join(WAIT)
+    assert done.is_set()
+    assert released_soon(refs[0])
+
+
+class _ForeignStream:
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def test_hold_accepts_what_stream_wrap_accepts(backend: cs.Backend) -> None:
+    s = cs.Stream()
+    before = cs.stats()["holds_made"]
+    for until in (s, s.handle, 1, 2, _ForeignStream(s.handle), cs.Stream.wrap(s)):
+        cs.hold(Owner(), until=until)
+    assert cs.stats()["holds_made"] - before == 6
+    s.synchronize()
+
+
+def test_hold_refuses_bad_input_with_what_it_expected(backend: cs.Backend) -> None:
+    s = cs.Stream()
+    with pytest.raises(ValueError, match="ambiguous"):
+        cs.hold(Owner(), until=0)
+    with pytest.raises(TypeError, match="as a stream"):
+        cs.hold(Owner(), until="stream")
+    with pytest.raises(TypeError, match="object to keep alive"):
+        cs.hold(None, until=s)
+    with pytest.raises(TypeError):
+        cs.hold(Owner(), s)  # type: ignore[call-arg]
+    s.close()
+    with pytest.raises(ValueError, match="closed"):
+        cs.hold(Owner(), until=s)
+
+
+def test_hold_on_a_capturing_stream_raises_capture_error_and_the_capture_stays_valid(
+    backend: cs.Backend,
+) -> None:
+    s = cs.Stream()
+    backend.begin_capture(s.handle, "global")
+    try:
+        with pytest.raises(cs.CaptureError, match="capturing a graph"):
+            cs.hold(Owner(), until=s)
+    finally:
+        graph = backend.end_capture(s.handle)  # raises if the capture was invalidated
+    backend.destroy_graph(graph)
+
+
+def test_holds_made_and_released_during_another_streams_capture_leave_it_valid(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    s, c, p, x = cs.Stream(), cs.Stream(), cs.Stream(), cs.Stream()
+    latch = ops.latch(p)
+    # a join leaves an event in the pool that is not complete: acquiring the
+    # next event queries it
+    cs.export(Box(ops.array(np.zeros(4, np.float32)), stream=p.handle), stream=x)
+    o, ref = held_owner()
+    cs.hold(o, until=s)
+    del o
+    s.synchronize()  # complete, not released yet: the next call queries it
+    backend.begin_capture(c.handle, "global")
+    try:
+        cs.hold(Owner(), until=s)  # every query in relaxed mode
+        assert ref() is None
+    finally:
+        graph = backend.end_capture(c.handle)  # raises if the capture was invalidated
+        latch.release()
+    backend.destroy_graph(graph)
+
+
+def test_a_hold_on_another_devices_stream_records_on_that_device(backend: cs.Backend) -> None:
+    if cs.device_count() < 2:
+        pytest.skip("needs two devices")
+    cs.set_device(1)
+    try:
+        s = cs.Stream()
+    finally:
+        cs.set_device(0)
+    o, ref = held_owner()
+    cs.hold(o, until=s)  # its event is made on device 1, not this thread's device 0
+    del o
+    s.synchronize()
+    assert released_soon(ref)
+
+
+# -- when holds are released --------------------------------------------------------
+
+
+def test_without_a_poller_a_completed_hold_is_released_at_the_next_library_call(
+    ops: DeviceOps,
+) -> None:
+    s = cs.Stream()
+    o, ref = held_owner()
+    cs.hold(o, until=s)
+    del o
+    s.synchronize()
+    gc.collect()
+    assert ref() is not None  # complete, but nothing was called since
+    cs.track(ops.array(np.zeros(4, np.float32)))
+    assert ref() is None
+
+
+@pytest.mark.anyio
+async def test_the_shared_poller_releases_completed_holds(ops: DeviceOps) -> None:
+    s, p = cs.Stream(), cs.Stream()
+    s_latch, p_latch = ops.latch(s), ops.latch(p)
+    producer = Box(ops.array(np.zeros(4, np.float32)), stream=p.handle)
+    o, ref = held_owner()
+    cs.hold(o, until=s)
+    del o
+    passes = cs.stats()["poll_passes"]
+    async with anyio.create_task_group() as tg:
+        # a consumer waiting for p keeps the poller running; nothing else calls us
+        tg.start_soon(lambda: cs.consume(producer, timeout=WAIT))
+        await anyio.sleep(0.002)
+        assert ref() is not None
+        s_latch.release()
+        with anyio.fail_after(WAIT):
+            while ref() is not None:  # noqa: ASYNC110 - a weakref has no event to await
+                await anyio.sleep(0.0005)
+        p_latch.release()
+    assert cs.stats()["poll_passes"] > passes
+
+
+def test_releasing_a_hold_is_no_synchronization_to_the_sanitizer(backend: cs.Backend) -> None:
+    """The library seeing a hold's event complete orders nothing in the program:
+    a host read that never waited for the writer is still a race, found on
+    every run whatever the timing."""
+    if backend.name != "sim":
+        pytest.skip("simulated kernels")
+    s = cs.Stream()
+    a = sim.asarray(np.zeros(16, np.float32))
+    sim.launch(s, np.copyto, a, np.ones(16, np.float32), writes=[a])
+    o, ref = held_owner()
+    cs.hold(o, until=s)
+    del o
+    assert released_soon(ref)  # the library saw s pass the hold
+    with pytest.raises(cs.HazardError):
+        a.to_host()  # the program never waited for s
+    s.synchronize()
+    a.to_host()  # the control: once it has, the read is ordered
+
+
+# -- limits and stats --------------------------------------------------------------------
+
+
+def test_past_the_count_limit_completed_holds_go_first_then_one_warning(
+    ops: DeviceOps, limits: None
+) -> None:
+    cs.configure(hold_limit_count=10)
+    held = [cs.Stream() for _ in range(8)]
+    latches = [ops.latch(h) for h in held]
+    for h in held:
+        cs.hold(Owner(), until=h)
+    idle = cs.Stream()
+    cs.hold(Owner(), until=idle)
+    cs.hold(Owner(), until=idle)
+    idle.synchronize()
+    # 10 in flight, 2 of them complete; a call's few queries go to held streams
+    # first, so only the full release past the limit finds those two
+    s = held[0]
+    cs.hold(Owner(), until=s)  # no warning: 9 left
+    try:
+        cs.hold(Owner(), until=s)  # 10
+        with pytest.warns(cs.HoldWarning, match=rf"11 stream-ordered holds.*{s.handle:#x}"):
+            cs.hold(Owner(), until=s)
+        with warnings.catch_warnings(record=True) as more:
+            warnings.simplefilter("always")
+            for _ in range(10):
+                cs.hold(Owner(), until=s)  # never blocks, warns once
+        assert not [w for w in more if issubclass(w.category, cs.HoldWarning)]
+        cs.configure(hold_limit_count=8)  # a new limit warns again when passed
+        with pytest.warns(cs.HoldWarning, match="limits: 8 holds"):
+            cs.hold(Owner(), until=s)
+    finally:
+        for latch in latches:
+            latch.release()
+
+
+def test_past_the_bytes_limit_a_warning_says_how_many_bytes_are_held(
+    ops: DeviceOps, limits: None
+) -> None:
+    cs.configure(hold_limit_count=0, hold_limit_bytes=2500)
+    s = cs.Stream()
+    latch = ops.latch(s)
+    try:
+        cs.hold(Owner(1000), until=s)
+        cs.hold(Owner(1000), until=s)
+        with pytest.warns(cs.HoldWarning, match="keep 3000 bytes alive"):
+            cs.hold(Owner(1000), until=s)
+    finally:
+        latch.release()
+
+
+def test_limits_come_from_the_environment_and_are_checked(
+    monkeypatch: pytest.MonkeyPatch, limits: None
+) -> None:
+    monkeypatch.setenv("CAI_STREAMS_HOLD_LIMIT_COUNT", "7")
+    monkeypatch.setenv("CAI_STREAMS_HOLD_LIMIT_BYTES", "0")
+    settings = _config._Settings()
+    assert (settings.hold_limit_count, settings.hold_limit_bytes) == (7, 0)
+    monkeypatch.setenv("CAI_STREAMS_HOLD_LIMIT_BYTES", "lots")
+    with pytest.raises(ValueError, match="CAI_STREAMS_HOLD_LIMIT_BYTES='lots'"):
+        _config._Settings()
+    with pytest.raises(ValueError, match=">= 0"):
+        cs.configure(hold_limit_count=-1)
+    with pytest.raises(TypeError, match="must be an int"):
+        cs.configure(hold_limit_bytes=1.5)  # type: ignore[arg-type]
+    assert _config.settings.hold_limit_count != -1  # nothing was changed
+
+
+def test_stats_report_holds_in_flight_and_the_bytes_they_keep(ops: DeviceOps) -> None:
+    s = cs.Stream()
+    latch = ops.latch(s)
+    start = cs.stats()
+    cs.hold(Owner(100), until=s)
+    cs.hold(Owner(), until=s)  # says no size
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    del box  # not a view: only cs.hold and handed views count
+    view = cs.consume_blocking(Box(ops.array(np.zeros(64, np.float32))), stream=s)
+    del view  # its hold is recorded at the next call
+    mid = cs.stats()
+    assert mid["holds"] - start["holds"] == 3
+    assert mid["hold_bytes"] - start["hold_bytes"] == 100 + 64 * 4
+    latch.release()
+    s.synchronize()
+    end = cs.stats()
+    assert (end["holds"], end["hold_bytes"]) == (start["holds"], start["hold_bytes"])
+    assert end["holds_released"] - start["holds_released"] == 3
+
+
+# -- views handed to a stream ------------------------------------------------------------
+
+
+def test_a_released_view_keeps_its_owner_until_the_stream_passes_what_was_enqueued(
+    ops: DeviceOps,
+) -> None:
+    s, latch, view, ref = latched_view(ops)
+    host_view = cs.consume_blocking(Box(ops.array(np.zeros(64, np.float32))))
+    host_ref = weakref.ref(host_view.owner)
+    del view, host_view
+    cs.stats()  # the released view's hold is recorded here
+    later = ops.latch(s)  # after the view's release: not waited for
+    assert host_ref() is None  # a host consumer's view holds nothing once gone
+    assert ref() is not None
+    latch.release()
+    assert released_soon(ref)
+    later.release()
+
+
+@pytest.mark.anyio
+async def test_consuming_exit_records_the_hold_on_a_bare_handle_too(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    raw = backend.create_stream()  # another library's stream: a bare handle
+    try:
+        latch = ops.latch(cs.Stream.wrap(raw))
+        box = Box(ops.array(np.zeros(64, np.float32)))
+        ref = weakref.ref(box)
+        out = ops.array(np.zeros(64, np.float32))
+        async with cs.consuming(box, stream=raw) as view:
+            ops.copy(cs.Stream.wrap(raw), out, view)
+        del view, box
+        cs.stats()
+        assert ref() is not None
+        # The documented rule: a bare handle's view, released later, records
+        # nothing (the stream may be gone by then): its owner lives as the view.
+        unheld = Box(ops.array(np.zeros(64, np.float32)))
+        unheld_ref = weakref.ref(unheld)
+        view = await cs.consume(unheld, stream=raw)
+        del view, unheld
+        cs.stats()
+        assert unheld_ref() is None
+        latch.release()
+        assert released_soon(ref)
+    finally:
+        backend.synchronize_stream(raw)
+        backend.destroy_stream(raw)
+
+
+def test_closing_the_consumer_stream_with_the_view_alive_records_its_hold(
+    ops: DeviceOps,
+) -> None:
+    s, latch, view, ref = latched_view(ops)
+    made = cs.stats()["holds_made"]
+    s.close()  # recorded now, while the stream exists
+    assert cs.stats()["holds_made"] == made + 1
+    del view
+    cs.stats()
+    assert ref() is not None
+    latch.release()
+    assert released_soon(ref)
+
+
+def test_a_released_view_whose_stream_closes_past_a_limit_is_recorded_once(
+    ops: DeviceOps, limits: None
+) -> None:
+    """Closing records the queued lease's hold; passing the limit then settles
+    the queued leases, this one among them: it must not record twice (or wait
+    for itself)."""
+    cs.configure(hold_limit_count=1)
+    other = cs.Stream()
+    latch = ops.latch(other)
+    cs.hold(Owner(), until=other)
+    s = cs.Stream()
+    view = cs.consume_blocking(Box(ops.array(np.zeros(64, np.float32))), stream=s)
+    made = cs.stats()["holds_made"]
+    del view  # queued: nothing was called since
+    with pytest.warns(cs.HoldWarning, match="2 stream-ordered holds"):
+        s.close()
+    assert cs.stats()["holds_made"] == made + 1
+    latch.release()
+
+
+def test_a_hold_that_cannot_be_recorded_keeps_its_owner_for_good_and_warns(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    """Another library destroys the stream its own stream object names while a
+    view handed to it lives (breaking its promise): a leak, not a block reused
+    under work that may still run."""
+    raw = backend.create_stream()
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    view = cs.consume_blocking(box, stream=_ForeignStream(raw))  # kept: recorded later
+    backend.destroy_stream(raw)
+    del view, box
+    with pytest.warns(cs.CudaWarning, match="kept Box alive for good"):
+        cs.stats()
+    assert ref() is not None
+
+
+def test_a_view_on_another_threads_stream_2_released_here_waits_through_the_legacy_stream(
+    ops: DeviceOps,
+) -> None:
+    handed: list[cs.ArrayView] = []
+    ready, leave = threading.Event(), threading.Event()
+    boxes = [Box(ops.array(np.zeros(64, np.float32)))]
+    ref = weakref.ref(boxes[0])
+
+    def consumer() -> None:
+        latch = ops.latch(cs.Stream.wrap(2))
+        handed.append(cs.consume_blocking(boxes.pop(), stream=2))
+        ready.set()
+        leave.wait(WAIT)
+        latch.release()
+
+    a = threading.Thread(target=consumer)
+    a.start()
+    try:
+        assert ready.wait(WAIT)
+        handed.clear()  # released in this thread, which cannot name A's stream 2
+        cs.stats()  # recorded now
+        control, control_ref = held_owner()
+        cs.hold(control, until=cs.Stream())  # an idle stream: released soon
+        del control
+        assert released_soon(control_ref)
+        assert ref() is not None
+    finally:
+        leave.set()
+        a.join(WAIT)
+    assert released_soon(ref)
+
+
+def test_a_view_released_while_its_stream_captures_is_held_until_the_capture_ends(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    s = cs.Stream()
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    backend.begin_capture(s.handle, "global")
+    try:
+        view = cs.consume_blocking(box, stream=s)
+        del view, box
+        cs.stats()  # cannot record on a capturing stream: the lease waits
+        assert ref() is not None
+    finally:
+        graph = backend.end_capture(s.handle)  # raises if the capture was invalidated
+    backend.destroy_graph(graph)
+    assert released_soon(ref)
+
+
+def test_the_example_in_the_lifetime_docs_runs_and_shows_the_hazard() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "lifetime.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    example = max(blocks, key=len)
+    assert "read_then_drop(keep=False) == 2.0" in example  # the control is in it
+    namespace: dict[str, Any] = {}
+    try:
+        exec(compile(example, "docs/lifetime.md", "exec"), namespace)
+    finally:
+        namespace.clear()  # its functions and arrays form a cycle with it: free them now
+        gc.collect()
