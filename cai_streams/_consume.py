@@ -117,9 +117,18 @@ class _Handoff:
     def back_edge(self) -> None:
         """Only enqueues GPU work."""
 
-    def _declare_host_read(self, complete: bool) -> None:
+    def _declare_host_read(self, complete: bool, waited: object) -> None:
+        """A consume that returned orders the host after what it waited for
+        (``waited``: what the library found complete for it; the events)."""
         if complete and _sanitizer.active:
-            _sanitizer.host_access("read", [byte_range(self.view)], "consume(): the host's read")
+            backend = self.sched.backend
+            _sanitizer.host_access(
+                "read",
+                [byte_range(self.view)],
+                "consume(): the host's read",
+                waited=[waited],
+                events=[(backend, event) for event, _ in self.events],
+            )
 
     def _declare_stream_read(self, s: Stream) -> None:
         self.sched.declare_stream_read(s, self.view, "consume(stream=...): the consumer's read")
@@ -149,8 +158,10 @@ class _TrackedHost(_Tracked):
     def finish(self, *, complete: bool) -> None:
         accesses, self.accesses = self.accesses, None
         if accesses is not None:
-            self.work.unpin_writes(accesses, complete=complete)
-            self._declare_host_read(complete)
+            try:
+                self._declare_host_read(complete, self.work)
+            finally:
+                self.work.unpin_writes(accesses, complete=complete)
 
 
 class _TrackedEnqueue(_Tracked):
@@ -189,7 +200,9 @@ class _UntrackedHost(_Handoff):
         backend, producer = self.sched.backend, self.view.stream
         assert producer is not None
         self.view = self.view.with_stream(None)
-        if backend.query_stream(producer):
+        with _sanitizer.Scope(self):
+            idle = backend.query_stream(producer)
+        if idle:
             return None  # idle: the data is ready now, and no event is spent
         pool = self.sched.pool
         event = pool.acquire()
@@ -202,10 +215,12 @@ class _UntrackedHost(_Handoff):
         return None
 
     def finish(self, *, complete: bool) -> None:
-        events, self.events = self.events, []
-        for event, _ in events:
-            self.sched.pool.release(event, self.view)  # the owner lives until it completes
-        self._declare_host_read(complete)
+        try:
+            self._declare_host_read(complete, self)
+        finally:
+            events, self.events = self.events, []
+            for event, _ in events:
+                self.sched.pool.release(event, self.view)  # the owner lives until it completes
 
 
 class _UntrackedEnqueue(_Handoff):
@@ -248,7 +263,7 @@ class _Ready(_Handoff):
 
     def finish(self, *, complete: bool) -> None:
         if self.stream is None:
-            self._declare_host_read(complete)
+            self._declare_host_read(complete, self)
 
 
 _ROWS: dict[Mode, type[_Handoff]] = {

@@ -1,21 +1,38 @@
-"""Watching a backend's ordering calls: the sanitizer and the tracer use this.
+"""The one observation channel: the sanitizer and the tracer hear of the device here.
 
 While at least one :class:`Observer` is registered, every backend carries
-instance attributes that shadow its record, wait, query, query_stream, synchronize, destroy
-and launch methods, call the real method, and tell each observer. With none
-registered the attributes are gone and nothing is paid.
+instance attributes that shadow the methods named in :data:`_CALLS`, call the
+real method and tell each observer; the simulator's kernel and free hooks are
+routed here too. With none registered the attributes and hooks are gone and
+nothing is paid. A new backend call that orders anything is one row of
+:data:`_CALLS`.
+
+Each completion (an event query that says done, a synchronize) says whether
+the user's program made it (``user=True``) or the library did for its own
+bookkeeping (the poller, the event pool, ``stats()``, the scheduler's
+elisions). A call is the user's when it comes from outside this package or
+from its user-facing handles (``Stream.synchronize``, ``Event.is_done``,
+``Event.synchronize``, ``SimArray.to_host``): the sanitizer orders the host
+after the user's own synchronization only, so its verdict does not depend on
+what the library happened to find complete.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from . import _backend
 from ._backend import Backend
 
 __all__ = ["Observer", "add", "remove"]
+
+_PACKAGE_DIR: Final = os.path.dirname(os.path.abspath(__file__))
+#: modules of this package whose backend calls are the user's own (public handles)
+_USER_FACING: Final = ("_stream.py", "sim.py", "_demo.py")
 
 
 class Observer:
@@ -30,33 +47,66 @@ class Observer:
     def waited(self, backend: Backend, stream: int, event: int) -> None:
         """``stream`` was made to wait for ``event``."""
 
-    def completed(self, backend: Backend, event: int) -> None:
+    def completed(self, backend: Backend, event: int, user: bool) -> None:
         """The calling thread saw ``event`` complete (a synchronize or a query)."""
 
     def before_stream_sync(self, backend: Backend, stream: int) -> object:
-        """The calling thread is about to synchronize ``stream``; returns a token."""
+        """The calling thread is about to synchronize or query ``stream``; returns a token."""
         return None
 
-    def stream_synced(self, backend: Backend, stream: int, token: object) -> None:
-        """The synchronize of ``stream`` returned."""
+    def stream_synced(self, backend: Backend, stream: int, token: object, user: bool) -> None:
+        """The synchronize of ``stream`` returned, or a query found it idle."""
 
     def destroyed(self, backend: Backend, event: int) -> None:
         """``event`` was destroyed."""
 
-    def kernel(self, backend: Backend, stream: int, fn: Callable[[], object],
-               name: str) -> Callable[[], object]:  # fmt: skip
+    def kernel(
+        self, backend: Backend, stream: int, fn: Callable[[], object], name: str
+    ) -> Callable[[], object]:
         """A simulated kernel is about to be enqueued; may return a wrapper of ``fn``."""
         return fn
+
+    def kernel_ran(self, stream: int, name: str, start: float, end: float) -> None:
+        """A simulated kernel ran, on its stream's worker thread."""
+
+    def freed(self, lo: int, hi: int) -> None:
+        """Simulated device memory ``[lo, hi)`` went back to its pool."""
 
 
 _lock = threading.RLock()
 _observers: tuple[Observer, ...] = ()
 _wrapped: dict[int, tuple[Backend, list[str]]] = {}
+_users: dict[str, bool] = {}  # code file -> whether its backend calls are the user's
+
+
+def _by_user(frame_depth: int = 2) -> bool:
+    """Whether the backend call being made comes from the user's program."""
+    path = sys._getframe(frame_depth).f_code.co_filename
+    found = _users.get(path)
+    if found is None:
+        inside = os.path.abspath(path).startswith(_PACKAGE_DIR)
+        found = _users[path] = not inside or os.path.basename(path) in _USER_FACING
+    return found
+
+
+def _kernel_ran(stream: int, name: str, start: float, end: float) -> None:
+    for o in _observers:
+        o.kernel_ran(stream, name, start, end)
+
+
+def _freed(lo: int, hi: int) -> None:
+    for o in _observers:
+        o.freed(lo, hi)
 
 
 def add(observer: Observer) -> None:
     global _observers
+    from ._backend import _sim
+
     with _lock:
+        if not _observers:
+            _sim.kernel_hooks.append(_kernel_ran)
+            _sim.free_hooks.append(_freed)
         _observers = (*_observers, observer)
         for backend in list(_backend._instances.values()):
             _wrap(backend)
@@ -65,87 +115,135 @@ def add(observer: Observer) -> None:
 
 def remove(observer: Observer) -> None:
     global _observers
+    from ._backend import _sim
+
     with _lock:
         _observers = tuple(o for o in _observers if o is not observer)
         if not _observers:
             _backend.instrument = None
+            _sim.kernel_hooks.remove(_kernel_ran)
+            _sim.free_hooks.remove(_freed)
             for backend, names in _wrapped.values():
                 for name in names:
                     backend.__dict__.pop(name, None)
             _wrapped.clear()
 
 
+# -- the backend calls that order anything: one wrapper each ---------------------
+
+Wrapper = Callable[[Backend, Any], Callable[..., Any]]
+
+
+def _record(backend: Backend, real: Any) -> Callable[..., Any]:
+    def record(event: int, stream: int) -> None:
+        for o in _observers:
+            o.enqueue(backend, stream)
+        real(backend, event, stream)
+        for o in _observers:
+            o.recorded(backend, event, stream)
+
+    return record
+
+
+def _stream_wait_event(backend: Backend, real: Any) -> Callable[..., Any]:
+    def stream_wait_event(stream: int, event: int) -> None:
+        for o in _observers:
+            o.enqueue(backend, stream)
+        real(backend, stream, event)
+        for o in _observers:
+            o.waited(backend, stream, event)
+
+    return stream_wait_event
+
+
+def _query(backend: Backend, real: Any) -> Callable[..., Any]:
+    def query(event: int) -> bool:
+        done: bool = real(backend, event)
+        if done:
+            user = _by_user()
+            for o in _observers:
+                o.completed(backend, event, user)
+        return done
+
+    return query
+
+
+def _synchronize_event(backend: Backend, real: Any) -> Callable[..., Any]:
+    def synchronize_event(event: int) -> None:
+        real(backend, event)
+        user = _by_user()
+        for o in _observers:
+            o.completed(backend, event, user)
+
+    return synchronize_event
+
+
+def _synchronize_stream(backend: Backend, real: Any) -> Callable[..., Any]:
+    def synchronize_stream(stream: int) -> None:
+        tokens = [(o, o.before_stream_sync(backend, stream)) for o in _observers]
+        real(backend, stream)
+        user = _by_user()
+        for o, token in tokens:
+            o.stream_synced(backend, stream, token, user)
+
+    return synchronize_stream
+
+
+def _query_stream(backend: Backend, real: Any) -> Callable[..., Any]:
+    def query_stream(stream: int) -> bool:
+        # a stream that says "all done" orders the caller after its work so
+        # far, as a synchronize would (the clock is taken before the query)
+        tokens = [(o, o.before_stream_sync(backend, stream)) for o in _observers]
+        done: bool = real(backend, stream)
+        if done:
+            user = _by_user()
+            for o, token in tokens:
+                o.stream_synced(backend, stream, token, user)
+        return done
+
+    return query_stream
+
+
+def _destroy_event(backend: Backend, real: Any) -> Callable[..., Any]:
+    def destroy_event(event: int) -> None:
+        real(backend, event)
+        for o in _observers:
+            o.destroyed(backend, event)
+
+    return destroy_event
+
+
+def _launch(backend: Backend, real: Any) -> Callable[..., Any]:
+    def launch(stream: int, fn: Callable[[], object], name: str, duration: float) -> None:
+        for o in _observers:
+            o.enqueue(backend, stream)
+            fn = o.kernel(backend, stream, fn, name)
+        real(backend, stream, fn, name, duration)
+
+    return launch
+
+
+#: backend method -> how its wrapper tells the observers (methods a backend lacks are skipped)
+_CALLS: Final[dict[str, Wrapper]] = {
+    "record": _record,
+    "stream_wait_event": _stream_wait_event,
+    "query": _query,
+    "synchronize_event": _synchronize_event,
+    "synchronize_stream": _synchronize_stream,
+    "query_stream": _query_stream,
+    "destroy_event": _destroy_event,
+    "launch": _launch,
+}
+
+
 def _wrap(backend: Backend) -> None:
     if id(backend) in _wrapped:
         return
     cls = type(backend)
-
-    def record(event: int, stream: int) -> None:
-        for o in _observers:
-            o.enqueue(backend, stream)
-        cls.record(backend, event, stream)
-        for o in _observers:
-            o.recorded(backend, event, stream)
-
-    def stream_wait_event(stream: int, event: int) -> None:
-        for o in _observers:
-            o.enqueue(backend, stream)
-        cls.stream_wait_event(backend, stream, event)
-        for o in _observers:
-            o.waited(backend, stream, event)
-
-    def query(event: int) -> bool:
-        done = cls.query(backend, event)
-        if done:
-            for o in _observers:
-                o.completed(backend, event)
-        return done
-
-    def synchronize_event(event: int) -> None:
-        cls.synchronize_event(backend, event)
-        for o in _observers:
-            o.completed(backend, event)
-
-    def synchronize_stream(stream: int) -> None:
-        tokens = [(o, o.before_stream_sync(backend, stream)) for o in _observers]
-        cls.synchronize_stream(backend, stream)
-        for o, token in tokens:
-            o.stream_synced(backend, stream, token)
-
-    def query_stream(stream: int) -> bool:
-        # a stream that says "all done" orders the caller after its work so far,
-        # as a synchronize would (the clock is taken before the query)
-        tokens = [(o, o.before_stream_sync(backend, stream)) for o in _observers]
-        done = cls.query_stream(backend, stream)
-        if done:
-            for o, token in tokens:
-                o.stream_synced(backend, stream, token)
-        return done
-
-    def destroy_event(event: int) -> None:
-        cls.destroy_event(backend, event)
-        for o in _observers:
-            o.destroyed(backend, event)
-
-    wrappers: dict[str, Any] = {
-        "record": record,
-        "stream_wait_event": stream_wait_event,
-        "query": query,
-        "synchronize_event": synchronize_event,
-        "synchronize_stream": synchronize_stream,
-        "query_stream": query_stream,
-        "destroy_event": destroy_event,
-    }
-    real_launch = getattr(cls, "launch", None)
-    if real_launch is not None:
-
-        def launch(stream: int, fn: Callable[[], object], name: str, duration: float) -> None:
-            for o in _observers:
-                o.enqueue(backend, stream)
-                fn = o.kernel(backend, stream, fn, name)
-            real_launch(backend, stream, fn, name, duration)
-
-        wrappers["launch"] = launch
-    for name, fn in wrappers.items():
-        setattr(backend, name, fn)
-    _wrapped[id(backend)] = (backend, list(wrappers))
+    names = []
+    for name, make in _CALLS.items():
+        real = getattr(cls, name, None)
+        if real is not None:
+            setattr(backend, name, make(backend, real))
+            names.append(name)
+    _wrapped[id(backend)] = (backend, names)

@@ -196,7 +196,9 @@ class PendingWork:
         handle = stream_of(obj)
         if handle is None:
             return None
-        if self.backend.query_stream(handle):
+        with _sanitizer.Scope(self):  # what it finds complete is this buffer's to know
+            idle = self.backend.query_stream(handle)
+        if idle:
             return None
         return Stream._borrow(handle, self.backend, None)
 
@@ -225,6 +227,8 @@ class PendingWork:
             self.backend.stream_wait_event(handle, a.event)
             a.waited_by.add(key)
             waited += 1
+        if _sanitizer.active:  # what was found complete orders the stream as a wait would
+            _sanitizer.stream_ordered(self.backend, handle)
         if waited or elided:
             if join:
                 self.counters.add(joins=waited, elided=elided)
