@@ -77,7 +77,7 @@ __all__ = ["Access", "Scope", "happens_after", "happens_before", "sanitize", "sa
 _PACKAGE_DIR: Final = os.path.dirname(os.path.abspath(__file__))
 #: simulated stream workers are the device, not host threads
 _WORKER_PREFIX: Final = "cai-streams-"
-_FIRST_SWEEP: Final = 256
+_FIRST_SWEEP: Final = 64
 
 Clock = dict[Hashable, int]
 Actor = tuple[Any, ...]

@@ -408,7 +408,7 @@ class Event:
         self._backend = backend
         self._closed = True
         self._stream = stream
-        self._handle = backend.create_event()
+        self._handle = backend.create_event(stream.device)  # the stream's device
         self._closed = False
         try:
             stream.handle  # noqa: B018 - a closed stream refuses

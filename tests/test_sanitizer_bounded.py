@@ -1,0 +1,150 @@
+"""The sanitizer's state and cost stay flat over a long run (streams and host
+threads that come and go), and an access costs the same whatever its extent."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams import _sanitizer, sim
+
+
+@pytest.fixture(autouse=True)
+def _sim() -> Iterator[None]:
+    with sim.simulated(jitter=0.0):
+        yield
+
+
+def _ones(x: np.ndarray[Any, Any]) -> None:
+    x[...] = 1
+
+
+def _read(*_: object) -> None:
+    pass
+
+
+def state_size() -> int:
+    """Entries the sanitizer holds: actors, every clock's entries, shadows."""
+    st = _sanitizer._state
+    tables: list[Any] = [st.clocks, st.events, st.tokens, st.scopes, st.weak_tokens, st.ended]
+    entries = sum(len(c) for table in tables for c in list(table.values()))
+    reads = sum(len(segment.reads) for segment in st.shadows)
+    return len(st.clocks) + len(st.retired) + entries + len(st.shadows) + reads
+
+
+def _request(weights: sim.SimArray) -> None:
+    """One request of a service that makes a stream per request: its own
+    buffer (from the caching pool), a read of shared weights, a host copy."""
+    s = cs.Stream()
+    y = sim.empty(64)
+    sim.launch(s, _ones, y, writes=[y], name="produce")
+    sim.launch(s, _read, reads=[weights, y], name="use weights")
+    s.synchronize()
+    y.to_host()
+    s.close()
+
+
+def _run(cycles: int, weights: sim.SimArray) -> tuple[list[int], list[float]]:
+    sizes, times = [], []
+    for _ in range(cycles):
+        start = time.perf_counter()
+        _request(weights)
+        times.append(time.perf_counter() - start)
+        sizes.append(state_size())
+    return sizes, times
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]  # robust to a stall of the shared CPU
+
+
+def _flat(sizes: list[int]) -> tuple[int, int]:
+    """The largest state in an early window and in the last one (retirement
+    runs when actors double, so the state is a sawtooth: compare its peaks)."""
+    return max(sizes[200:600]), max(sizes[-400:])
+
+
+CYCLES = 2000
+
+
+def test_thousands_of_short_lived_streams_keep_state_and_cost_flat() -> None:
+    weights = sim.asarray(np.ones(256, "float32"))
+    sizes, times = _run(CYCLES, weights)
+    early, late = _flat(sizes)
+    assert late <= 1.25 * early + 64, (early, late)  # flat, not 2,000 streams' worth
+    assert _sanitizer._state.sweeps > 10
+    # cost per cycle, relative to the start of the same run
+    assert _median(times[-400:]) < 2.0 * _median(times[200:600])
+
+
+def test_without_retiring_the_same_run_grows() -> None:
+    """The control: with retirement held off, state grows with every stream."""
+    weights = sim.asarray(np.ones(256, "float32"))
+    _sanitizer._state.sweep_at = 10**9
+    sizes, _ = _run(600, weights)
+    assert sizes[-1] > 2.5 * sizes[300], (sizes[300], sizes[-1])  # and on, with every stream
+
+
+def _thread_cycle(x: sim.SimArray) -> None:
+    def work() -> None:
+        s = cs.Stream()
+        sim.launch(s, _ones, x, writes=[x], name="in a thread")
+        s.synchronize()
+        s.close()
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    x.to_host()  # ordered after the thread's synchronize by the join
+
+
+def test_a_thousand_threads_keep_state_flat() -> None:
+    x = sim.empty(64)
+    sizes = []
+    for _ in range(1000):
+        _thread_cycle(x)
+        sizes.append(state_size())
+    early, late = _flat(sizes)
+    assert late <= 1.25 * early + 64, (early, late)
+
+
+class _Claimed:
+    """A foreign array claiming ``n`` bytes at a simulated allocation."""
+
+    def __init__(self, base: sim.SimArray, n: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (n,),
+            "typestr": "|u1",
+            "data": (base.ptr, False),
+            "version": 3,
+            "stream": None,
+        }
+
+
+def _consume_cost(obj: object) -> float:
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        cs.consume_blocking(obj)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_a_huge_claimed_extent_costs_what_a_small_one_does() -> None:
+    base = sim.empty(1 << 16, "uint8")
+    with cs.sanitize(False):
+        parts = [base[i * 64 : (i + 1) * 64] for i in range(256)]
+    s = cs.Stream()
+    for part in parts:  # many shadows, so a walk over them would show
+        sim.launch(s, _read, reads=[part], name="part")
+    s.synchronize()
+    small = _consume_cost(_Claimed(base, 64))
+    huge = _consume_cost(_Claimed(base, 2**44))
+    assert huge < 10 * small + 0.001, (small, huge)
+    assert len(_sanitizer._state.shadows) <= 260
