@@ -66,6 +66,21 @@ class Observer:
         """A simulated kernel is about to be enqueued; may return a wrapper of ``fn``."""
         return fn
 
+    def capture_began(self, backend: Backend, stream: int) -> None:
+        """``stream`` began capturing: what is enqueued on it is recorded, not run."""
+
+    def capture_ended(self, backend: Backend, stream: int, graph: int) -> None:
+        """The capture on ``stream`` ended, as ``graph``."""
+
+    def instantiated(self, backend: Backend, graph: int, graph_exec: int) -> None:
+        """``graph`` was instantiated as ``graph_exec``."""
+
+    def graph_launch(self, backend: Backend, graph_exec: int, stream: int) -> None:
+        """``graph_exec`` is about to be replayed on ``stream`` (before it is)."""
+
+    def graph_destroyed(self, backend: Backend, graph: int, executable: bool) -> None:
+        """A graph (or, ``executable``, an instantiated one) was destroyed."""
+
     def kernel_ran(self, stream: int, name: str, start: float, end: float) -> None:
         """A simulated kernel ran, on its stream's worker thread."""
 
@@ -223,6 +238,63 @@ def _launch(backend: Backend, real: Any) -> Callable[..., Any]:
     return launch
 
 
+def _begin_capture(backend: Backend, real: Any) -> Callable[..., Any]:
+    def begin_capture(stream: int, mode: Any) -> None:
+        real(backend, stream, mode)
+        for o in _observers:
+            o.capture_began(backend, stream)
+
+    return begin_capture
+
+
+def _end_capture(backend: Backend, real: Any) -> Callable[..., Any]:
+    def end_capture(stream: int) -> int:
+        graph: int = real(backend, stream)
+        for o in _observers:
+            o.capture_ended(backend, stream, graph)
+        return graph
+
+    return end_capture
+
+
+def _instantiate_graph(backend: Backend, real: Any) -> Callable[..., Any]:
+    def instantiate_graph(graph: int) -> int:
+        graph_exec: int = real(backend, graph)
+        for o in _observers:
+            o.instantiated(backend, graph, graph_exec)
+        return graph_exec
+
+    return instantiate_graph
+
+
+def _launch_graph(backend: Backend, real: Any) -> Callable[..., Any]:
+    def launch_graph(graph_exec: int, stream: int) -> None:
+        for o in _observers:
+            o.enqueue(backend, stream)
+            o.graph_launch(backend, graph_exec, stream)
+        real(backend, graph_exec, stream)
+
+    return launch_graph
+
+
+def _destroy_graph(backend: Backend, real: Any) -> Callable[..., Any]:
+    def destroy_graph(graph: int) -> None:
+        real(backend, graph)
+        for o in _observers:
+            o.graph_destroyed(backend, graph, False)
+
+    return destroy_graph
+
+
+def _destroy_graph_exec(backend: Backend, real: Any) -> Callable[..., Any]:
+    def destroy_graph_exec(graph_exec: int) -> None:
+        real(backend, graph_exec)
+        for o in _observers:
+            o.graph_destroyed(backend, graph_exec, True)
+
+    return destroy_graph_exec
+
+
 #: backend method -> how its wrapper tells the observers (methods a backend lacks are skipped)
 _CALLS: Final[dict[str, Wrapper]] = {
     "record": _record,
@@ -233,6 +305,12 @@ _CALLS: Final[dict[str, Wrapper]] = {
     "query_stream": _query_stream,
     "destroy_event": _destroy_event,
     "launch": _launch,
+    "begin_capture": _begin_capture,
+    "end_capture": _end_capture,
+    "instantiate_graph": _instantiate_graph,
+    "launch_graph": _launch_graph,
+    "destroy_graph": _destroy_graph,
+    "destroy_graph_exec": _destroy_graph_exec,
 }
 
 

@@ -46,7 +46,10 @@ declares a whole array is checked as touching all of it, strided or not);
 accesses only where the program declares them (``sim.launch`` reads/writes,
 ``to_host``, ``writing``/``reading`` blocks, ``consume``, ``export``), so work
 another library enqueues without declaring it is invisible; memory freed and
-reused is forgotten on the simulated device only.
+reused is forgotten on the simulated device only. Work declared on a capturing
+stream (or on a stream that joined its capture) is checked each time the graph
+is replayed, as work of the stream it is launched on; the order of the nodes
+inside one graph is not checked.
 
 Actors are stream identities (``_identity.StreamId``, with the stream's own
 device): a stream closed and its handle reused is a new actor, and handle 2
@@ -81,6 +84,8 @@ _FIRST_SWEEP: Final = 64
 
 Clock = dict[Hashable, int]
 Actor = tuple[Any, ...]
+#: one operation's accesses declared in a capture: (kind, lo, hi) items, what, where
+Captured = tuple[list[tuple[str, int, int]], str, str]
 
 
 def join(into: Clock, other: Clock) -> None:
@@ -111,6 +116,13 @@ class _State:
             weakref.WeakKeyDictionary()
         )
         self.ended: weakref.WeakKeyDictionary[threading.Thread, Clock] = weakref.WeakKeyDictionary()
+        # graph capture: accesses declared on a capturing stream wait in their
+        # capture (keyed by the stream that began it) and are checked when the
+        # graph is replayed, as accesses of the stream it is launched on
+        self.capture_of: dict[Actor, Actor] = {}  # capturing stream -> its capture
+        self.captured: dict[Actor, list[Captured]] = {}
+        self.capture_events: dict[tuple[Backend, int], Actor] = {}
+        self.graphs: dict[tuple[Backend, int, bool], list[Captured]] = {}
         self.local = threading.local()
         self.checked = 0
         self.sweeps = 0
@@ -341,6 +353,10 @@ def stream_access(backend: Backend, handle: int, reads: Iterable[tuple[int, int]
     items = [("read", lo, hi) for lo, hi in reads] + [("write", lo, hi) for lo, hi in writes]
     state = _state
     with state.lock:
+        origin = state.capture_of.get(state.stream(backend, handle))
+        if origin is not None:  # recorded, not run: checked when replayed
+            state.captured[origin].append((items, what, site))
+            return
         actor, clock = state.enqueue(backend, handle)
         state.access(actor, clock, items, what, site)
 
@@ -518,11 +534,20 @@ class _Watcher(Observer):
 
     def recorded(self, backend: Backend, event: int, stream: int) -> None:
         with _state.lock:
+            actor = _state.stream(backend, stream)
+            origin = _state.capture_of.get(actor)
+            if origin is not None:  # a node of the graph: a wait on it joins the capture
+                _state.capture_events[(backend, event)] = origin
+                return
             # enqueue() already joined the host into the stream: capture its clock
-            _state.events[(backend, event)] = dict(_state.clock(_state.stream(backend, stream)))
+            _state.events[(backend, event)] = dict(_state.clock(actor))
 
     def waited(self, backend: Backend, stream: int, event: int) -> None:
         with _state.lock:
+            origin = _state.capture_events.get((backend, event))
+            if origin is not None and origin in _state.captured:
+                _state.capture_of[_state.stream(backend, stream)] = origin
+                return
             captured = _state.events.get((backend, event))
             if captured is not None:  # a never-recorded event orders nothing
                 join(_state.clock(_state.stream(backend, stream)), captured)
@@ -548,6 +573,37 @@ class _Watcher(Observer):
 
     def freed(self, lo: int, hi: int) -> None:
         _state.forget(lo, hi)
+
+    def capture_began(self, backend: Backend, stream: int) -> None:
+        with _state.lock:
+            origin = _state.stream(backend, stream)
+            _state.capture_of[origin] = origin
+            _state.captured[origin] = []
+
+    def capture_ended(self, backend: Backend, stream: int, graph: int) -> None:
+        state = _state
+        with state.lock:
+            origin = state.stream(backend, stream)
+            state.graphs[(backend, graph, False)] = state.captured.pop(origin, [])
+            for table in (state.capture_of, state.capture_events):
+                for key in [k for k, v in table.items() if v == origin]:
+                    del table[key]
+
+    def instantiated(self, backend: Backend, graph: int, graph_exec: int) -> None:
+        with _state.lock:
+            found = _state.graphs.get((backend, graph, False), [])
+            _state.graphs[(backend, graph_exec, True)] = list(found)
+
+    def graph_launch(self, backend: Backend, graph_exec: int, stream: int) -> None:
+        state = _state
+        with state.lock:
+            for items, what, site in state.graphs.get((backend, graph_exec, True), []):
+                actor, clock = state.enqueue(backend, stream)
+                state.access(actor, clock, items, f"graph replay of {what}", site)
+
+    def graph_destroyed(self, backend: Backend, graph: int, executable: bool) -> None:
+        with _state.lock:
+            _state.graphs.pop((backend, graph, executable), None)
 
 
 _watcher = _Watcher()

@@ -169,6 +169,27 @@ def _fan_out_with_one_reader_not_waiting() -> None:
         r(s, x)
 
 
+def _captured_write(x: Any) -> int:
+    """A graph that writes ``x``, captured on a stream of its own: the executable."""
+    backend, c = cs.current_backend(), cs.Stream()
+    backend.begin_capture(c.handle, "thread_local")
+    try:
+        w(c, x)
+    finally:
+        graph = backend.end_capture(c.handle)
+    return backend.instantiate_graph(graph)
+
+
+def _graph_replayed_again_unordered() -> None:
+    backend, a, x = cs.current_backend(), cs.Stream(), sim.empty(64)
+    graph = _captured_write(x)
+    backend.launch_graph(graph, a.handle)
+    a.synchronize()
+    x.to_host()  # ordered: the first replay was waited for
+    backend.launch_graph(graph, a.handle)
+    x.to_host()  # the second replay was not
+
+
 RACY: dict[str, tuple[Callable[[], None], str]] = {
     "missing wait": (_missing_wait, "stream"),
     "host read before sync": (_host_read_before_sync, "to_host"),
@@ -184,6 +205,7 @@ RACY: dict[str, tuple[Callable[[], None], str]] = {
     "cross-device, no wait": (_cross_device_missing_wait, "on device 1"),
     "handle 2 of two threads": (_per_thread_streams_of_two_threads, "per-thread default"),
     "fan-out, one reader not waiting": (_fan_out_with_one_reader_not_waiting, "kernel 'r'"),
+    "graph replayed again, not waited for": (_graph_replayed_again_unordered, "graph replay"),
 }
 
 
@@ -345,6 +367,15 @@ async def _to_thread_handoffs() -> None:
     x.to_host()
 
 
+def _graph_replay_waited_for() -> None:
+    """Checked where the graph runs (on ``a``), not where it was captured."""
+    backend, a, b, x = cs.current_backend(), cs.Stream(), cs.Stream(), sim.empty(64)
+    graph = _captured_write(x)
+    backend.launch_graph(graph, a.handle)
+    b.wait(a.record())
+    r(b, x)
+
+
 CLEAN: dict[str, Callable[[], None]] = {
     "event-ordered streams": _event_ordered,
     "host sync": _host_sync,
@@ -354,6 +385,7 @@ CLEAN: dict[str, Callable[[], None]] = {
     "legacy and per-thread default streams": _legacy_and_blocking_streams,
     "every consume mode": lambda: anyio.run(_every_consume_mode),
     "cross-device wait": _cross_device_wait,
+    "graph replay waited for": _graph_replay_waited_for,
     "host threads: queue, event, futures, join": _thread_handoffs,
     "host threads: asyncio and anyio to_thread": lambda: asyncio.run(_to_thread_handoffs()),
 }
