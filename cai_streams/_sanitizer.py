@@ -45,11 +45,13 @@ Granularity and what is not modelled: byte ranges as declared (a kernel that
 declares a whole array is checked as touching all of it, strided or not);
 accesses only where the program declares them (``sim.launch`` reads/writes,
 ``to_host``, ``writing``/``reading`` blocks, ``consume``, ``export``), so work
-another library enqueues without declaring it is invisible; memory freed and
-reused is forgotten on the simulated device only. Work declared on a capturing
-stream (or on a stream that joined its capture) is checked each time the graph
-is replayed, as work of the stream it is launched on; the order of the nodes
-inside one graph is not checked.
+another library enqueues without declaring it is invisible. Memory freed to
+the simulator's caching pool keeps the accesses the freeing thread did not know
+complete, marked freed: a new owner of the block that is not ordered after
+one of them is told the block was reused while that work could still run.
+Work declared on a capturing stream (or on a stream that joined its capture)
+is checked each time the graph is replayed, as work of the stream it is
+launched on; the order of the nodes inside one graph is not checked.
 
 Actors are stream identities (``_identity.StreamId``, with the stream's own
 device): a stream closed and its handle reused is a new actor, and handle 2
@@ -58,11 +60,12 @@ is one actor per host thread.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
 import weakref
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Final
@@ -95,16 +98,61 @@ def join(into: Clock, other: Clock) -> None:
             into[k] = v
 
 
+def _before_all(a: Access, clocks: list[Clock]) -> bool:
+    return all(c.get(a.actor, 0) >= a.tick for c in clocks)
+
+
+class _StateLock:
+    """The state's re-entrant lock. A garbage collection can run a hook (a
+    freed block, a destroyed event) in the middle of a change to the state, on
+    the thread that holds this lock: such a hook is deferred until that thread
+    lets go, instead of changing the state under the change in progress."""
+
+    __slots__ = ("_lock", "deferred", "depth", "owner")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.depth = 0
+        self.owner = 0
+        self.deferred: list[Callable[[], None]] = []
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self.depth += 1
+        self.owner = threading.get_ident()
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            if self.depth == 1:
+                while self.deferred:
+                    self.deferred.pop(0)()
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                self.owner = 0
+            self._lock.release()
+
+    def run_or_defer(self, fn: Callable[[], None]) -> None:
+        if self.depth and self.owner == threading.get_ident():
+            self.deferred.append(fn)
+        else:
+            with self:
+                fn()
+
+
 class _State:
     """Everything the sanitizer knows; one lock guards it all."""
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
+        self.lock = _StateLock()
         self.clocks: dict[Actor, Clock] = {}  # actors that may still act
         self.threads: dict[Actor, weakref.ref[threading.Thread]] = {}
         self.serials: dict[int, Actor] = {}  # thread serial -> its host actor
         self.retired: set[Actor] = set()  # can no longer act, still named by a shadow
         self.events: dict[tuple[Backend, int], Clock] = {}
+        #: per host thread, what the library's own queries in it found complete
+        #: (real, but not the program's ordering: it only lets go of freed memory)
+        self.library: dict[Actor, Clock] = {}
         self.shadows = ShadowMap()
         self.blocking: set[Actor] = set()
         #: what the library learnt while working for one object (a buffer's
@@ -202,6 +250,7 @@ class _State:
         else:
             for obj in self.scope_stack():
                 join(self.scope_clock(obj), captured)
+            join(self.library.setdefault(self.host(), {}), captured)
 
     # -- retiring what can no longer act -----------------------------------
 
@@ -231,6 +280,7 @@ class _State:
         dead = [a for a in self.clocks if self._dead(a)]
         for actor in dead:
             final = self.clocks.pop(actor)
+            self.library.pop(actor, None)
             self.blocking.discard(actor)
             if actor[0] == "host":
                 self.serials.pop(actor[1], None)
@@ -238,12 +288,17 @@ class _State:
                 if thread is not None:  # for a join() still to come
                     self.ended[thread] = final
         self.retired.update(dead)
+        # an access every host thread is ordered after can race with nothing
+        # any more: whatever comes next is enqueued (or made) by one of them
+        hosts = [c for a, c in self.clocks.items() if a[0] == "host"]
+        if hosts:
+            self.shadows.keep(0, 1 << 64, lambda a: None if _before_all(a, hosts) else a)
         named = {a.actor for segment in self.shadows for a in segment.accesses()}
         gone = self.retired - named
         if not gone:
             return
         self.retired -= gone
-        for table in (self.clocks, self.events, self.tokens):
+        for table in (self.clocks, self.events, self.tokens, self.library):
             for c in table.values():
                 for actor in gone:
                     c.pop(actor, None)
@@ -254,10 +309,24 @@ class _State:
 
     # -- shadow memory -----------------------------------------------------
 
-    def forget(self, lo: int, hi: int) -> None:
-        """Memory was freed: what was known about it no longer applies."""
-        with self.lock:
-            self.shadows.forget(lo, hi)
+    def freed(self, lo: int, hi: int) -> None:
+        """Memory went back to the caching pool. What the freeing thread knows
+        complete (its own synchronization, or a library query, as when the
+        library held the owner until its work was done) is forgotten; anything
+        else may still run, and a new owner not ordered after it is told that
+        the block was reused too early."""
+        known: Clock = {}
+        actor = None if _device_thread() else self.serials.get(thread_serial())
+        if actor is not None:  # (read only: this may run inside a change of the state)
+            known = dict(self.clocks.get(actor, {}))
+            join(known, self.library.get(actor, {}))
+
+        def keep(a: Access) -> Access | None:
+            if known.get(a.actor, 0) >= a.tick:
+                return None
+            return a if a.freed else dataclasses.replace(a, freed=True)
+
+        self.lock.run_or_defer(lambda: self.shadows.keep(lo, hi, keep))
 
     def access(self, actor: Actor, clock: Clock, items: Iterable[tuple[str, int, int]],
                what: str, site: str, *, also: Clock | None = None) -> None:  # fmt: skip
@@ -568,11 +637,15 @@ class _Watcher(Observer):
             _state.completed(token, user)
 
     def destroyed(self, backend: Backend, event: int) -> None:
-        with _state.lock:
-            _state.events.pop((backend, event), None)
+        events = _state.events  # (may run from a collection, inside a change of the state)
+
+        def forget() -> None:
+            events.pop((backend, event), None)
+
+        _state.lock.run_or_defer(forget)
 
     def freed(self, lo: int, hi: int) -> None:
-        _state.forget(lo, hi)
+        _state.freed(lo, hi)
 
     def capture_began(self, backend: Backend, stream: int) -> None:
         with _state.lock:

@@ -13,7 +13,7 @@ live boundary between accesses.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 __all__ = ["Access", "Segment", "ShadowMap"]
@@ -30,6 +30,9 @@ class Access:
     hi: int
     what: str  # "kernel 'fill'", "writing() block", "to_host()", ...
     site: str  # "file.py:12"
+    #: the memory was freed (to the caching pool) after this access, which the
+    #: freeing thread was not ordered after: the work may still use the block
+    freed: bool = False
 
 
 class Segment:
@@ -117,6 +120,23 @@ class ShadowMap:
         j = bisect_left(self._starts, hi, lo=i)
         self._starts[i:j] = [lo]
         self._segments[i:j] = [Segment(lo, hi, write, {})]
+
+    def keep(self, lo: int, hi: int, keep: Callable[[Access], Access | None]) -> None:
+        """Replace each access in ``[lo, hi)`` by ``keep(access)``, or drop it
+        (None); segments left with nothing are dropped."""
+        self._split(lo)
+        self._split(hi)
+        i = bisect_left(self._starts, lo)
+        while i < len(self._segments) and self._segments[i].lo < hi:
+            segment = self._segments[i]
+            write = segment.write
+            segment.write = None if write is None else keep(write)
+            segment.reads = {k: a for k, r in segment.reads.items() if (a := keep(r)) is not None}
+            if segment.write is None and not segment.reads:
+                del self._starts[i]
+                del self._segments[i]
+            else:
+                i += 1
 
     def forget(self, lo: int, hi: int) -> None:
         """Nothing is known of ``[lo, hi)`` any more."""

@@ -46,7 +46,17 @@ def hazard(first: Access, second: Access, clock: Clock, ordered_host: str | None
     """``ordered_host``: another host thread that is ordered after ``first``
     (it waited for it), when there is one: then the missing ordering is
     between host threads."""
-    if ordered_host is not None or (_is_host(first) and _is_host(second)):
+    if first.freed:
+        missing = (
+            f"the block was freed and reused while {actor_name(first.actor)} still used it "
+            "(the caching allocator hands a freed block to the next allocation at once)"
+        )
+        fix = (
+            f"keep the old owner alive until {actor_name(first.actor)} has passed that work, "
+            "`cs.hold(owner, until=stream)`, or synchronize that stream before dropping it; "
+            "or order the new owner's stream after it"
+        )
+    elif ordered_host is not None or (_is_host(first) and _is_host(second)):
         who = ordered_host or actor_name(first.actor)
         missing = (
             f"{who} is ordered after that access, but nothing orders "
