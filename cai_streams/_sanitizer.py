@@ -38,8 +38,10 @@ Bounded state: an actor that can no longer act (a closed stream, an ended
 host thread, a per-thread default stream of an ended thread) is retired when
 actors have doubled since the last sweep; once no shadow names it any more
 its entry leaves every clock. A read ordered after an earlier read of the
-same bytes replaces it (a FastTrack read epoch), and a write replaces every
-access it covers.
+same bytes replaces it (a FastTrack read epoch), a write replaces every
+access it covers, and at each sweep an access every host thread is ordered
+after is forgotten (whatever comes next is made or enqueued by one of them).
+A host thread that Python did not start (``_DummyThread``) is never retired.
 
 Granularity and what is not modelled: byte ranges as declared (a kernel that
 declares a whole array is checked as touching all of it, strided or not);
