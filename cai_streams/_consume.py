@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 import anyio
 import anyio.lowlevel
 
-from . import _sanitizer
+from . import _observe
 from ._access import Access
 from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_async, wait_block_sync
@@ -120,9 +120,9 @@ class _Handoff:
     def _declare_host_read(self, complete: bool, waited: object) -> None:
         """A consume that returned orders the host after what it waited for
         (``waited``: what the library found complete for it; the events)."""
-        if complete and _sanitizer.active:
+        if complete and _observe.active:
             backend = self.sched.backend
-            _sanitizer.host_access(
+            _observe.host_access(
                 "read",
                 [byte_range(self.view)],
                 "consume(): the host's read",
@@ -200,7 +200,7 @@ class _UntrackedHost(_Handoff):
         backend, producer = self.sched.backend, self.view.stream
         assert producer is not None
         self.view = self.view.with_stream(None)
-        with _sanitizer.Scope(self):
+        with _observe.Scope(self):
             idle = backend.query_stream(producer)
         if idle:
             return None  # idle: the data is ready now, and no event is spent

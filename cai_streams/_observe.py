@@ -1,6 +1,11 @@
 """The one observation channel: the sanitizer and the tracer hear of the device here.
 
-While at least one :class:`Observer` is registered, every backend carries
+Two kinds of news come through it. What the library declares: the byte
+ranges each operation reads and writes (:func:`stream_access`,
+:func:`host_access`) and the buffer it works for (:class:`Scope`); a
+declaration site tests :data:`active` first, so it costs nothing while nobody
+observes. And what the device is told: while at least one :class:`Observer`
+is registered, every backend carries
 instance attributes that shadow the methods named in :data:`_CALLS`, call the
 real method and tell each observer; the simulator's kernel and free hooks are
 routed here too. With none registered the attributes and hooks are gone and
@@ -22,13 +27,23 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from . import _backend
 from ._backend import Backend
 
-__all__ = ["Observer", "add", "remove"]
+__all__ = [
+    "Observer",
+    "Scope",
+    "acquired",
+    "add",
+    "host_access",
+    "released",
+    "remove",
+    "stream_access",
+    "stream_ordered",
+]
 
 _PACKAGE_DIR: Final = os.path.dirname(os.path.abspath(__file__))
 #: modules of this package whose backend calls are the user's own (public handles)
@@ -81,6 +96,36 @@ class Observer:
     def graph_destroyed(self, backend: Backend, graph: int, executable: bool) -> None:
         """A graph (or, ``executable``, an instantiated one) was destroyed."""
 
+    def stream_access(
+        self,
+        backend: Backend,
+        stream: int,
+        reads: list[tuple[int, int]],
+        writes: list[tuple[int, int]],
+        what: str,
+    ) -> None:
+        """Work about to be enqueued on ``stream`` reads and writes these byte ranges."""
+
+    def host_access(
+        self,
+        kind: str,
+        ranges: list[tuple[int, int]],
+        what: str,
+        waited: list[object],
+        events: list[tuple[Backend, int]],
+    ) -> None:
+        """The calling host thread reads or writes these byte ranges now, after
+        ``waited`` / ``events`` when a call of the user's waited for them."""
+
+    def scope_entered(self, scope: object) -> None:
+        """The calling thread starts working for ``scope`` (a buffer's pending work)."""
+
+    def scope_left(self, scope: object) -> None:
+        """The calling thread's work for ``scope`` ended."""
+
+    def stream_ordered(self, backend: Backend, stream: int) -> None:
+        """The library ordered ``stream`` after the work of the scope it works for."""
+
     def kernel_ran(self, stream: int, name: str, start: float, end: float) -> None:
         """A simulated kernel ran, on its stream's worker thread."""
 
@@ -90,6 +135,8 @@ class Observer:
 
 _lock = threading.RLock()
 _observers: tuple[Observer, ...] = ()
+#: True while anyone observes: a declaration site tests it first, so it is free when off
+active = False
 _wrapped: dict[int, tuple[Backend, list[str]]] = {}
 _users: dict[str, bool] = {}  # code file -> whether its backend calls are the user's
 
@@ -114,8 +161,64 @@ def _freed(lo: int, hi: int) -> None:
         o.freed(lo, hi)
 
 
+# -- what the library declares: the accesses it makes and the scope it works in ---
+
+
+def stream_access(backend: Backend, stream: int, reads: Iterable[tuple[int, int]],
+                  writes: Iterable[tuple[int, int]], what: str) -> None:  # fmt: skip
+    reads, writes = list(reads), list(writes)
+    for o in _observers:
+        o.stream_access(backend, stream, reads, writes, what)
+
+
+def host_access(kind: str, ranges: Iterable[tuple[int, int]], what: str, *,
+                waited: Iterable[object] = (),
+                events: Iterable[tuple[Backend, int]] = ()) -> None:  # fmt: skip
+    """``waited`` and ``events``: what a call of the user's that returned (a
+    ``consume``) waited for: the scopes the library worked in, the events."""
+    ranges, waited, events = list(ranges), list(waited), list(events)
+    for o in _observers:
+        o.host_access(kind, ranges, what, waited, events)
+
+
+def acquired(scope: object) -> None:
+    """The calling thread starts working for ``scope`` (it took a buffer's lock)."""
+    for o in _observers:
+        o.scope_entered(scope)
+
+
+def released(scope: object) -> None:
+    for o in _observers:
+        o.scope_left(scope)
+
+
+def stream_ordered(backend: Backend, stream: int) -> None:
+    """The library ordered ``stream`` after its scope's work, by waits or by
+    finding that work complete."""
+    for o in _observers:
+        o.stream_ordered(backend, stream)
+
+
+class Scope:
+    """``with Scope(obj):`` the library works for ``obj`` (see :func:`acquired`);
+    nothing while nobody observes. A class: cheaper than a generator."""
+
+    __slots__ = ("_obj",)
+
+    def __init__(self, obj: object) -> None:
+        self._obj: object | None = obj if active else None
+
+    def __enter__(self) -> None:
+        if self._obj is not None:
+            acquired(self._obj)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._obj is not None:
+            released(self._obj)
+
+
 def add(observer: Observer) -> None:
-    global _observers
+    global _observers, active
     from ._backend import _sim
 
     with _lock:
@@ -123,18 +226,20 @@ def add(observer: Observer) -> None:
             _sim.kernel_hooks.append(_kernel_ran)
             _sim.free_hooks.append(_freed)
         _observers = (*_observers, observer)
+        active = True
         for backend in list(_backend._instances.values()):
             _wrap(backend)
         _backend.instrument = _wrap
 
 
 def remove(observer: Observer) -> None:
-    global _observers
+    global _observers, active
     from ._backend import _sim
 
     with _lock:
         _observers = tuple(o for o in _observers if o is not observer)
         if not _observers:
+            active = False
             _backend.instrument = None
             _sim.kernel_hooks.remove(_kernel_ran)
             _sim.free_hooks.remove(_freed)

@@ -80,7 +80,7 @@ from ._observe import Observer
 from ._sanitizer_ranges import Access, ShadowMap
 from ._sanitizer_report import actor_name, hazard
 
-__all__ = ["Access", "Scope", "happens_after", "happens_before", "sanitize", "sanitizing"]
+__all__ = ["Access", "happens_after", "happens_before", "sanitize", "sanitizing"]
 
 _PACKAGE_DIR: Final = os.path.dirname(os.path.abspath(__file__))
 #: simulated stream workers are the device, not host threads
@@ -414,105 +414,6 @@ def _device_thread() -> bool:
     return threading.current_thread().name.startswith(_WORKER_PREFIX)
 
 
-# -- hooks called by the rest of the library --------------------------------
-
-
-def stream_access(backend: Backend, handle: int, reads: Iterable[tuple[int, int]],
-                  writes: Iterable[tuple[int, int]], what: str) -> None:  # fmt: skip
-    """Work about to be enqueued on ``handle`` reads and writes these byte ranges."""
-    site = _site()
-    items = [("read", lo, hi) for lo, hi in reads] + [("write", lo, hi) for lo, hi in writes]
-    state = _state
-    with state.lock:
-        origin = state.capture_of.get(state.stream(backend, handle))
-        if origin is not None:  # recorded, not run: checked when replayed
-            state.captured[origin].append((items, what, site))
-            return
-        actor, clock = state.enqueue(backend, handle)
-        state.access(actor, clock, items, what, site)
-
-
-def host_access(kind: str, ranges: Iterable[tuple[int, int]], what: str, *,
-                waited: Iterable[object] = (),
-                events: Iterable[tuple[Backend, int]] = ()) -> None:  # fmt: skip
-    """The calling host thread reads or writes these byte ranges now.
-
-    ``waited`` and ``events``: what a call of the user's (a ``consume`` that
-    returned) waited for, the library's knowledge for those objects and those
-    events: the thread is ordered after them from now on. Inside the library's
-    work for a buffer, what it knows for that buffer orders this access only.
-    """
-    site = _site()
-    state = _state
-    with state.lock:
-        actor = state.host()
-        clock = state.clocks[actor]
-        scopes = [state.scope_clock(obj) for obj in waited]
-        for key in events:
-            captured = state.events.get(key)
-            if captured is not None:
-                for c in scopes:  # the library may forget them now: it knows them done
-                    join(c, captured)
-                join(clock, captured)
-        for c in scopes:
-            join(clock, c)
-        also: Clock | None = None
-        stack = state.scope_stack()
-        if stack:
-            also = {}
-            for obj in stack:
-                join(also, state.scope_clock(obj))
-        items = [(kind, lo, hi) for lo, hi in ranges]
-        state.access(actor, clock, items, what, site, also=also)
-
-
-def stream_ordered(backend: Backend, handle: int) -> None:
-    """The library orders ``handle`` after the work of the buffer it works for,
-    by waits or by finding that work complete: the stream is ordered after what
-    the library knows for that buffer."""
-    state = _state
-    with state.lock:
-        c = state.clock(state.stream(backend, handle))
-        for obj in state.scope_stack():
-            join(c, state.scope_clock(obj))
-
-
-def acquired(scope: object) -> None:
-    """The calling thread starts working for ``scope`` (it took a buffer's
-    lock): what the library learns until :func:`released` is credited to it,
-    and what it knew before orders what it enqueues for it."""
-    with _state.lock:
-        _state.scope_stack().append(scope)
-
-
-def released(scope: object) -> None:
-    """The calling thread's work for ``scope`` ended (see :func:`acquired`)."""
-    with _state.lock:
-        stack = _state.scope_stack()
-        if stack and stack[-1] is scope:
-            stack.pop()
-        elif scope in stack:
-            stack.remove(scope)
-
-
-class Scope:
-    """``with Scope(obj):`` the library works for ``obj`` (see :func:`acquired`);
-    nothing while the sanitizer is off. A class: cheaper than a generator."""
-
-    __slots__ = ("_obj",)
-
-    def __init__(self, obj: object) -> None:
-        self._obj: object | None = obj if active else None
-
-    def __enter__(self) -> None:
-        if self._obj is not None:
-            acquired(self._obj)
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._obj is not None:
-            released(self._obj)
-
-
 def _tokens(token: object) -> Any:
     try:
         weakref.ref(token)
@@ -597,7 +498,82 @@ class _Handoffs:
 
 
 class _Watcher(Observer):
-    """Turns the backend's ordering calls into vector-clock joins."""
+    """Checks the declared accesses; turns the backend's ordering calls into
+    vector-clock joins."""
+
+    def stream_access(
+        self,
+        backend: Backend,
+        stream: int,
+        reads: list[tuple[int, int]],
+        writes: list[tuple[int, int]],
+        what: str,
+    ) -> None:
+        site = _site()
+        items = [("read", lo, hi) for lo, hi in reads] + [("write", lo, hi) for lo, hi in writes]
+        state = _state
+        with state.lock:
+            origin = state.capture_of.get(state.stream(backend, stream))
+            if origin is not None:  # recorded, not run: checked when replayed
+                state.captured[origin].append((items, what, site))
+                return
+            actor, clock = state.enqueue(backend, stream)
+            state.access(actor, clock, items, what, site)
+
+    def host_access(
+        self,
+        kind: str,
+        ranges: list[tuple[int, int]],
+        what: str,
+        waited: list[object],
+        events: list[tuple[Backend, int]],
+    ) -> None:
+        """A call of the user's that returned (a ``consume``) orders the thread
+        after what it waited for from now on; inside the library's work for a
+        buffer, what the library knows for it orders this access only."""
+        site = _site()
+        state = _state
+        with state.lock:
+            actor = state.host()
+            clock = state.clocks[actor]
+            scopes = [state.scope_clock(obj) for obj in waited]
+            for key in events:
+                captured = state.events.get(key)
+                if captured is not None:
+                    for c in scopes:  # the library may forget them now: it knows them done
+                        join(c, captured)
+                    join(clock, captured)
+            for c in scopes:
+                join(clock, c)
+            also: Clock | None = None
+            stack = state.scope_stack()
+            if stack:
+                also = {}
+                for obj in stack:
+                    join(also, state.scope_clock(obj))
+            items = [(kind, lo, hi) for lo, hi in ranges]
+            state.access(actor, clock, items, what, site, also=also)
+
+    def scope_entered(self, scope: object) -> None:
+        """What the library learns until the scope is left is credited to it,
+        and what it knew before orders what it enqueues for it."""
+        with _state.lock:
+            _state.scope_stack().append(scope)
+
+    def scope_left(self, scope: object) -> None:
+        with _state.lock:
+            stack = _state.scope_stack()
+            if stack and stack[-1] is scope:
+                stack.pop()
+            elif scope in stack:
+                stack.remove(scope)
+
+    def stream_ordered(self, backend: Backend, stream: int) -> None:
+        state = _state
+        with state.lock:
+            c = state.clock(state.stream(backend, stream))
+            for obj in state.scope_stack():
+                join(c, state.scope_clock(obj))
 
     def enqueue(self, backend: Backend, stream: int) -> None:
         with _state.lock:
