@@ -132,13 +132,11 @@ def _via_join(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
     if early:  # the thread hands over by ending: "early" is an unjoined read
         got: list[np.ndarray[Any, Any]] = []
         reader = threading.Thread(target=lambda: got.append(x.to_host()))
-        done = threading.Event()
 
         def produce() -> None:
             s = cs.Stream()
             write(s, x, duration=SLOW)
             reader.start()  # started before the synchronize: not ordered after it
-            done.set()
             s.synchronize()
 
         th = threading.Thread(target=produce)
