@@ -57,7 +57,7 @@ from typing import Any, ClassVar
 import anyio
 import anyio.lowlevel
 
-from . import _capture_guard, _sanitizer
+from . import _capture_guard, _observe
 from ._access import Access
 from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_async, wait_block_sync
@@ -147,9 +147,18 @@ class _Handoff:
     def back_edge(self) -> None:
         """Only enqueues GPU work."""
 
-    def _declare_host_read(self, complete: bool) -> None:
-        if complete and _sanitizer.active:
-            _sanitizer.host_access("read", [byte_range(self.view)], "consume(): the host's read")
+    def _declare_host_read(self, complete: bool, waited: object) -> None:
+        """A consume that returned orders the host after what it waited for
+        (``waited``: what the library found complete for it; the events)."""
+        if complete and _observe.active:
+            backend = self.sched.backend
+            _observe.host_access(
+                "read",
+                [byte_range(self.view)],
+                "consume(): the host's read",
+                waited=[waited],
+                events=[(backend, event) for event, _ in self.events],
+            )
 
     def _declare_stream_read(self, s: Stream) -> None:
         self.sched.declare_stream_read(s, self.view, "consume(stream=...): the consumer's read")
@@ -188,8 +197,10 @@ class _TrackedHost(_Tracked):
     def finish(self, *, complete: bool) -> None:
         accesses, self.accesses = self.accesses, None
         if accesses is not None:
-            self.work.unpin_writes(accesses, complete=complete)
-            self._declare_host_read(complete)
+            try:
+                self._declare_host_read(complete, self.work)
+            finally:
+                self.work.unpin_writes(accesses, complete=complete)
 
 
 class _TrackedEnqueue(_Tracked):
@@ -231,7 +242,9 @@ class _UntrackedHost(_Handoff):
         self.view = self.view.with_stream(None)
         key = stream_id_now(backend, producer)
         _capture_guard.check_host_wait(backend, key, None, "consume()")
-        if _capture_guard.stream_idle(backend, key):
+        with _observe.Scope(self):  # what it finds complete is this handoff's to know
+            idle = _capture_guard.stream_idle(backend, key)
+        if idle:
             return None  # idle: the data is ready now, and no event is spent
         pool = self.pool = pool_for(backend, key.device)  # an event of the producer's device
         event = pool.acquire()
@@ -244,10 +257,12 @@ class _UntrackedHost(_Handoff):
         return None
 
     def finish(self, *, complete: bool) -> None:
-        events, self.events = self.events, []
-        for event, _ in events:
-            self.pool.release(event, self.view)  # the owner lives until it completes
-        self._declare_host_read(complete)
+        try:
+            self._declare_host_read(complete, self)
+        finally:
+            events, self.events = self.events, []
+            for event, _ in events:
+                self.pool.release(event, self.view)  # the owner lives until it completes
 
 
 class _UntrackedEnqueue(_Handoff):
@@ -290,7 +305,7 @@ class _Ready(_Handoff):
 
     def finish(self, *, complete: bool) -> None:
         if self.stream is None:
-            self._declare_host_read(complete)
+            self._declare_host_read(complete, self)
 
 
 class _DLPackHost(_UntrackedHost):

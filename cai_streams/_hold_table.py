@@ -202,10 +202,10 @@ class HoldTable:
         if backend not in modes:
             modes[backend] = backend.exchange_capture_mode("relaxed")
         try:
-            # Not through the observers: the library seeing a hold complete
-            # orders nothing in the program, and the sanitizer must not count
-            # it (a race would be found only when a query came too early).
-            return type(backend).query(backend, hold.event)
+            # Through the one observation channel: a library query orders
+            # nothing in the program for the sanitizer, except that the owner
+            # this thread lets go now is freed after the work it saw complete.
+            return backend.query(hold.event)
         except CudaError:  # the work before it failed and will never run
             hold.failed = True
             return True

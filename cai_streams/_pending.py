@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import _capture_guard, _sanitizer
+from . import _capture_guard, _observe
 from ._access import Access, AccessState, Counters, Kind
 from ._backend import Backend
 from ._blocks import Blocked, OpenBlock, Owner
@@ -50,13 +50,13 @@ class _Locked:
 
     def __enter__(self) -> None:
         self._work.lock.acquire()
-        if _sanitizer.active:
-            _sanitizer.acquired(self._work)
+        if _observe.active:
+            _observe.acquired(self._work)
 
     def __exit__(self, *exc_info: object) -> None:
         try:
-            if _sanitizer.active:
-                _sanitizer.released(self._work)
+            if _observe.active:
+                _observe.released(self._work)
         finally:
             self._work.lock.release()
 
@@ -195,7 +195,9 @@ class PendingWork:
         handle = stream_of(obj)
         if handle is None:
             return None
-        if _capture_guard.stream_idle(self.backend, stream_id_now(self.backend, handle)):
+        with _observe.Scope(self):  # what it finds complete is this buffer's to know
+            idle = _capture_guard.stream_idle(self.backend, stream_id_now(self.backend, handle))
+        if idle:
             return None
         return Stream._borrow(handle, self.backend, None)
 
@@ -218,14 +220,14 @@ class PendingWork:
             for a in accesses
             if a.state is not AccessState.RELEASED and a.key != key and key not in a.waited_by
         ]
-        if not accesses:
-            return
-        capturing = _capture_guard.capturing(self.backend, key) is True
-        needless = [
-            a
-            for a in accesses
-            if not _capture_guard.must_wait(self.backend, key, capturing, a, what)
-        ]
+        needless: list[Access] = []
+        if accesses:  # (the capture check costs a driver call: only when there is work)
+            capturing = _capture_guard.capturing(self.backend, key) is True
+            needless = [
+                a
+                for a in accesses
+                if not _capture_guard.must_wait(self.backend, key, capturing, a, what)
+            ]
         for a in accesses:
             if a in needless:  # a capturing waiter, and work found complete: no edge
                 if a.state is AccessState.RECORDED:
@@ -241,6 +243,8 @@ class PendingWork:
             self.backend.stream_wait_event(handle, a.event)
             a.waited_by.add(key)
             waited += 1
+        if _observe.active:  # what was found complete orders the stream as a wait would
+            _observe.stream_ordered(self.backend, handle)
         if waited or elided:
             if join:
                 self.counters.add(joins=waited, elided=elided)
@@ -262,8 +266,8 @@ class PendingWork:
             open_reads[0].materialize()
 
     def _declare_stream_read(self, stream: Stream, what: str) -> None:
-        if _sanitizer.active:
-            _sanitizer.stream_access(
+        if _observe.active:
+            _observe.stream_access(
                 self.backend, stream.handle, reads=[byte_range(self.layout)], writes=(), what=what
             )
 
@@ -294,9 +298,9 @@ class PendingWork:
             covered: list[Access] = []
             if kind is Kind.WRITE and not disjoint:
                 covered = [a for a in conflicting if a.state is not AccessState.RELEASED]
-            if _sanitizer.active and not disjoint:  # a disjoint block does not say which part
+            if _observe.active and not disjoint:  # a disjoint block does not say which part
                 rng = [byte_range(self.layout)]
-                _sanitizer.stream_access(
+                _observe.stream_access(
                     self.backend,
                     stream.handle,
                     reads=rng if kind is Kind.READ else (),
@@ -346,8 +350,8 @@ class PendingWork:
             )
             self._consumer_read(x, key)
             if not pending:
-                if _sanitizer.active:  # stream None says "ready now, anywhere"
-                    _sanitizer.host_access(
+                if _observe.active:  # stream None says "ready now, anywhere"
+                    _observe.host_access(
                         "read",
                         [byte_range(self.layout)],
                         "export() with nothing pending: stream None",

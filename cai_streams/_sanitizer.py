@@ -7,254 +7,368 @@ thread) has a vector clock.
   work a host thread enqueues on a stream is ordered after what that thread
   did before (the stream's clock joins the thread's).
 * An event captures the recording stream's clock when it is recorded (a
-  re-record replaces it); a stream waiting on the event joins that clock; a
-  host thread joins it when it synchronizes the event or a query says it is
-  complete. A stream synchronize joins the stream's clock into the thread.
+  re-record replaces it); a stream waiting on the event joins that clock, on
+  any device. A host thread joins it when the user's program synchronizes the
+  event, or a query of the user's says it is complete; a stream synchronize
+  (or a stream query that finds it idle) joins the stream's clock.
 * The legacy default stream (1) and the blocking per-thread default streams
   (2) wait for each other, as in CUDA; ``Stream()`` streams are non-blocking.
+* Host threads are ordered by the handoffs ``_sanitizer_threads`` sees
+  (thread start and join, queues, futures, ``to_thread``, events) and by
+  ``happens_before(token)`` / ``happens_after(token)``.
+
+Only the user's program orders the host. The library's own queries (the
+poller, the event pool, ``stats()``, elisions) order only what the library
+does on their strength: a completion it sees while working for one buffer
+(its pending work's lock held, or one handoff) is credited to that buffer,
+and carried by the work the library enqueues for it and by the host read of a
+``consume`` that returned, never by the thread as a whole. So a host read
+that nothing in the program orders is named on every run, however the
+timing fell and whatever library call came in between.
 
 Each access (a read or a write of a byte range, by a stream operation or by
 the host) is checked against the last write and the reads since, of every
-overlapping range: an access is ordered after an earlier one when the
-accessor's clock has reached the earlier access's tick. An unordered pair
-where at least one is a write raises :class:`~cai_streams.HazardError` at
-the second access, before it is enqueued, whatever the timing.
+overlapping range (``_sanitizer_ranges``): an access is ordered after an
+earlier one when the accessor's clock has reached the earlier access's tick.
+An unordered pair where at least one is a write raises
+:class:`~cai_streams.HazardError` at the second access, before it is
+enqueued, whatever the timing.
+
+Bounded state: an actor that can no longer act (a closed stream, an ended
+host thread, a per-thread default stream of an ended thread) is retired when
+actors have doubled since the last sweep; once no shadow names it any more
+its entry leaves every clock. A read ordered after an earlier read of the
+same bytes replaces it (a FastTrack read epoch), a write replaces every
+access it covers, and at each sweep an access every host thread is ordered
+after is forgotten (whatever comes next is made or enqueued by one of them).
+A host thread that Python did not start (``_DummyThread``) is never retired.
 
 Granularity and what is not modelled: byte ranges as declared (a kernel that
 declares a whole array is checked as touching all of it, strided or not);
 accesses only where the program declares them (``sim.launch`` reads/writes,
 ``to_host``, ``writing``/``reading`` blocks, ``consume``, ``export``), so work
-another library enqueues without declaring it is invisible; ordering between
-host threads through Python (locks, queues, ``to_thread``) is not seen unless
-the program says so with ``happens_before(token)`` / ``happens_after(token)``
-(the library's own locks are seen), so a host thread is otherwise ordered only
-after what it waited for itself; memory freed and reused is forgotten on the
-simulated device only.
+another library enqueues without declaring it is invisible. Memory freed to
+the simulator's caching pool keeps the accesses the freeing thread did not know
+complete, marked freed: a new owner of the block that is not ordered after
+one of them is told the block was reused while that work could still run.
+Work declared on a capturing stream (or on a stream that joined its capture)
+is checked each time the graph is replayed, as work of the stream it is
+launched on; the order of the nodes inside one graph is not checked.
 
-Actors are stream identities (``_identity.StreamId``): a stream closed and
-its handle reused is a new actor, and handle 2 is one actor per host thread.
+Actors are stream identities (``_identity.StreamId``, with the stream's own
+device): a stream closed and its handle reused is a new actor, and handle 2
+is one actor per host thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
 import weakref
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Final
 
-from . import _observe
+from . import _backend, _observe, _sanitizer_threads
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
 from ._errors import HazardError
 from ._identity import StreamId, stream_id_now, thread_serial
 from ._observe import Observer
+from ._sanitizer_ranges import Access, ShadowMap
+from ._sanitizer_report import actor_name, hazard
 
-__all__ = ["happens_after", "happens_before", "sanitize", "sanitizing"]
+__all__ = ["Access", "happens_after", "happens_before", "sanitize", "sanitizing"]
 
 _PACKAGE_DIR: Final = os.path.dirname(os.path.abspath(__file__))
-_BUCKET: Final = 1 << 20  # shadow ranges are indexed by 1 MiB bucket
+#: simulated stream workers are the device, not host threads
+_WORKER_PREFIX: Final = "cai-streams-"
+_FIRST_SWEEP: Final = 64
 
 Clock = dict[Hashable, int]
 Actor = tuple[Any, ...]
+#: one operation's accesses declared in a capture: (kind, lo, hi) items, what, where
+Captured = tuple[list[tuple[str, int, int]], str, str]
 
 
-@dataclass(frozen=True, slots=True)
-class Access:
-    """One recorded access: who, when (its tick), where in the program."""
-
-    kind: str  # "read" or "write"
-    actor: Actor
-    tick: int
-    lo: int
-    hi: int
-    what: str  # "kernel 'fill'", "writing() block", "to_host()", ...
-    site: str  # "file.py:12"
-
-    def describe(self) -> str:
-        return (
-            f"{self.kind} of {self.hi - self.lo} bytes at {self.lo:#x} by "
-            f"{actor_name(self.actor)} ({self.what}, {self.site})"
-        )
+def join(into: Clock, other: Clock) -> None:
+    for k, v in other.items():
+        mine = into.get(k)
+        if mine is None or mine < v:  # a 0 is kept: "ordered after its start"
+            into[k] = v
 
 
-def actor_name(actor: Actor) -> str:
-    if actor[0] == "host":
-        return f"host thread {actor[2]!r}"
-    key: StreamId = actor[1]
-    return key.describe()
+def _before_all(a: Access, clocks: list[Clock]) -> bool:
+    return all(c.get(a.actor, 0) >= a.tick for c in clocks)
 
 
-class _Shadow:
-    __slots__ = ("hi", "lo", "reads", "write")
+class _StateLock:
+    """The state's re-entrant lock. A garbage collection can run a hook (a
+    freed block, a destroyed event) in the middle of a change to the state, on
+    the thread that holds this lock: such a hook is deferred until that thread
+    lets go, instead of changing the state under the change in progress."""
 
-    def __init__(self, lo: int, hi: int) -> None:
-        self.lo, self.hi = lo, hi
-        self.write: Access | None = None
-        self.reads: dict[Actor, Access] = {}
+    __slots__ = ("_lock", "deferred", "depth", "owner")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.depth = 0
+        self.owner = 0
+        self.deferred: list[Callable[[], None]] = []
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self.depth += 1
+        self.owner = threading.get_ident()
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            if self.depth == 1:
+                while self.deferred:
+                    self.deferred.pop(0)()
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                self.owner = 0
+            self._lock.release()
+
+    def run_or_defer(self, fn: Callable[[], None]) -> None:
+        if self.depth and self.owner == threading.get_ident():
+            self.deferred.append(fn)
+        else:
+            with self:
+                fn()
 
 
 class _State:
     """Everything the sanitizer knows; one lock guards it all."""
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.clocks: dict[Actor, Clock] = {}
+        self.lock = _StateLock()
+        self.clocks: dict[Actor, Clock] = {}  # actors that may still act
+        self.threads: dict[Actor, weakref.ref[threading.Thread]] = {}
+        self.serials: dict[int, Actor] = {}  # thread serial -> its host actor
+        self.retired: set[Actor] = set()  # can no longer act, still named by a shadow
         self.events: dict[tuple[Backend, int], Clock] = {}
-        self.shadows: dict[tuple[int, int], _Shadow] = {}
-        self.buckets: dict[int, set[tuple[int, int]]] = {}
+        #: per host thread, what the library's own queries in it found complete
+        #: (real, but not the program's ordering: it only lets go of freed memory)
+        self.library: dict[Actor, Clock] = {}
+        self.shadows = ShadowMap()
         self.blocking: set[Actor] = set()
-        self.locks: weakref.WeakKeyDictionary[object, Clock] = weakref.WeakKeyDictionary()
+        #: what the library learnt while working for one object (a buffer's
+        #: pending work, one handoff): credited to that object only
+        self.scopes: weakref.WeakKeyDictionary[object, Clock] = weakref.WeakKeyDictionary()
         self.tokens: dict[Hashable, Clock] = {}
+        self.weak_tokens: weakref.WeakKeyDictionary[object, Clock] = weakref.WeakKeyDictionary()
+        self.started: weakref.WeakKeyDictionary[threading.Thread, Clock] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.ended: weakref.WeakKeyDictionary[threading.Thread, Clock] = weakref.WeakKeyDictionary()
+        # graph capture: accesses declared on a capturing stream wait in their
+        # capture (keyed by the stream that began it) and are checked when the
+        # graph is replayed, as accesses of the stream it is launched on
+        self.capture_of: dict[Actor, Actor] = {}  # capturing stream -> its capture
+        self.captured: dict[Actor, list[Captured]] = {}
+        self.capture_events: dict[tuple[Backend, int], Actor] = {}
+        self.graphs: dict[tuple[Backend, int, bool], list[Captured]] = {}
+        self.local = threading.local()
         self.checked = 0
+        self.sweeps = 0
+        self.sweep_at = _FIRST_SWEEP
 
     # -- actors and clocks -------------------------------------------------
 
-    @staticmethod
-    def host() -> Actor:
-        return ("host", thread_serial(), threading.current_thread().name)
+    def host(self) -> Actor:
+        serial = thread_serial()
+        actor = self.serials.get(serial)
+        if actor is None:
+            thread = threading.current_thread()
+            actor = ("host", serial, thread.name)
+            self.serials[serial] = actor
+            self.threads[actor] = weakref.ref(thread)
+            clock = self.clocks[actor] = {actor: 0}
+            start = self.started.pop(thread, None)
+            if start is not None:  # ordered after what the starting thread had done
+                join(clock, start)
+            self._grew()
+        return actor
+
+    def host_clock(self) -> Clock:
+        return self.clocks[self.host()]
 
     @staticmethod
     def stream(backend: Backend, handle: int) -> Actor:
         """The stream ``handle`` is for work the calling thread enqueues now."""
-        return ("stream", stream_id_now(backend, handle))
+        return ("stream", stream_id_now(backend, handle))  # keyed with its own device
 
     def clock(self, actor: Actor) -> Clock:
         c = self.clocks.get(actor)
         if c is None:
             c = self.clocks[actor] = {actor: 0}
+            self.retired.discard(actor)
+            self._grew()
         return c
 
-    @staticmethod
-    def join(into: Clock, other: Clock) -> None:
-        for k, v in other.items():
-            mine = into.get(k)
-            if mine is None or mine < v:  # a 0 is kept: "ordered after its start"
-                into[k] = v
+    def scope_stack(self) -> list[object]:
+        stack: list[object] | None = getattr(self.local, "scopes", None)
+        if stack is None:
+            stack = self.local.scopes = []
+        return stack
 
-    def enqueue(self, backend: Backend, handle: int) -> Clock:
+    def scope_clock(self, obj: object) -> Clock:
+        c = self.scopes.get(obj)
+        if c is None:
+            c = self.scopes[obj] = {}
+        return c
+
+    def enqueue(self, backend: Backend, handle: int) -> tuple[Actor, Clock]:
         """The calling host thread enqueues on ``handle``: the stream's clock,
-        joined with the thread's and by the legacy/blocking-stream rule."""
+        joined with the thread's, with what the library knows for the buffer
+        it works for, and by the legacy/blocking-stream rule."""
         actor = self.stream(backend, handle)
         key: StreamId = actor[1]
         c = self.clock(actor)
-        self.join(c, self.clock(self.host()))
+        join(c, self.host_clock())
+        for obj in self.scope_stack():
+            join(c, self.scope_clock(obj))
         if handle == LEGACY_DEFAULT_STREAM:
             for b in self.blocking:
                 other: StreamId = b[1]
                 if other.backend is backend and other.device == key.device:
-                    self.join(c, self.clock(b))
+                    join(c, self.clock(b))
         elif handle == PER_THREAD_DEFAULT_STREAM:
             self.blocking.add(actor)
-            self.join(c, self.clock(self.stream(backend, LEGACY_DEFAULT_STREAM)))
-        return c
+            join(c, self.clock(self.stream(backend, LEGACY_DEFAULT_STREAM)))
+        return actor, c
+
+    def completed(self, captured: Clock, user: bool) -> None:
+        """The calling thread saw work complete, up to ``captured``."""
+        if user:
+            join(self.host_clock(), captured)
+        else:
+            for obj in self.scope_stack():
+                join(self.scope_clock(obj), captured)
+            join(self.library.setdefault(self.host(), {}), captured)
+
+    # -- retiring what can no longer act -----------------------------------
+
+    def _grew(self) -> None:
+        if len(self.clocks) >= self.sweep_at:
+            self.sweep()
+            self.sweep_at = max(_FIRST_SWEEP, 2 * len(self.clocks))
+
+    def _dead(self, actor: Actor) -> bool:
+        if actor[0] == "host":
+            thread = self.threads[actor]()
+            return thread is None or not thread.is_alive()
+        key: StreamId = actor[1]
+        if key.handle == LEGACY_DEFAULT_STREAM:
+            return False
+        if key.handle == PER_THREAD_DEFAULT_STREAM:
+            owner = self.serials.get(key.thread)
+            return owner is None or self._dead(owner)
+        try:
+            return stream_id_now(key.backend, key.handle) != key
+        except Exception:  # noqa: BLE001 - a backend that cannot say: keep it
+            return False
+
+    def sweep(self) -> None:
+        """Retire actors that can no longer act; forget those no shadow names."""
+        self.sweeps += 1
+        dead = [a for a in self.clocks if self._dead(a)]
+        for actor in dead:
+            final = self.clocks.pop(actor)
+            self.library.pop(actor, None)
+            self.blocking.discard(actor)
+            if actor[0] == "host":
+                self.serials.pop(actor[1], None)
+                thread = self.threads.pop(actor)()
+                if thread is not None:  # for a join() still to come
+                    self.ended[thread] = final
+        self.retired.update(dead)
+        # an access every host thread is ordered after can race with nothing
+        # any more: whatever comes next is enqueued (or made) by one of them
+        hosts = [c for a, c in self.clocks.items() if a[0] == "host"]
+        if hosts:
+            self.shadows.keep(0, 1 << 64, lambda a: None if _before_all(a, hosts) else a)
+        named = {a.actor for segment in self.shadows for a in segment.accesses()}
+        gone = self.retired - named
+        if not gone:
+            return
+        self.retired -= gone
+        for table in (self.clocks, self.events, self.tokens, self.library):
+            for c in table.values():
+                for actor in gone:
+                    c.pop(actor, None)
+        for weak in (self.scopes, self.weak_tokens, self.started, self.ended):
+            for c in list(weak.values()):
+                for actor in gone:
+                    c.pop(actor, None)
 
     # -- shadow memory -----------------------------------------------------
 
-    def overlapping(self, lo: int, hi: int) -> Iterator[_Shadow]:
-        seen: set[tuple[int, int]] = set()
-        for b in range(lo // _BUCKET, (hi - 1) // _BUCKET + 1):
-            for key in list(self.buckets.get(b, ())):
-                if key not in seen:
-                    seen.add(key)
-                    shadow = self.shadows[key]
-                    if shadow.lo < hi and lo < shadow.hi:
-                        yield shadow
+    def freed(self, lo: int, hi: int) -> None:
+        """Memory went back to the caching pool. What the freeing thread knows
+        complete (its own synchronization, or a library query, as when the
+        library held the owner until its work was done) is forgotten; anything
+        else may still run, and a new owner not ordered after it is told that
+        the block was reused too early."""
+        known: Clock = {}
+        actor = None if _device_thread() else self.serials.get(thread_serial())
+        if actor is not None:  # (read only: this may run inside a change of the state)
+            known = dict(self.clocks.get(actor, {}))
+            join(known, self.library.get(actor, {}))
 
-    def shadow(self, lo: int, hi: int) -> _Shadow:
-        s = self.shadows.get((lo, hi))
-        if s is None:
-            s = self.shadows[(lo, hi)] = _Shadow(lo, hi)
-            for b in range(lo // _BUCKET, (hi - 1) // _BUCKET + 1):
-                self.buckets.setdefault(b, set()).add((lo, hi))
-        return s
+        def keep(a: Access) -> Access | None:
+            if known.get(a.actor, 0) >= a.tick:
+                return None
+            return a if a.freed else dataclasses.replace(a, freed=True)
 
-    def drop(self, shadow: _Shadow) -> None:
-        key = (shadow.lo, shadow.hi)
-        del self.shadows[key]
-        for b in range(shadow.lo // _BUCKET, (shadow.hi - 1) // _BUCKET + 1):
-            keys = self.buckets[b]
-            keys.discard(key)
-            if not keys:
-                del self.buckets[b]
-
-    def forget(self, lo: int, hi: int) -> None:
-        """Memory was freed: what was known about it no longer applies."""
-        with self.lock:
-            for shadow in list(self.overlapping(lo, hi)):
-                if lo <= shadow.lo and shadow.hi <= hi:
-                    self.drop(shadow)
+        self.lock.run_or_defer(lambda: self.shadows.keep(lo, hi, keep))
 
     def access(self, actor: Actor, clock: Clock, items: Iterable[tuple[str, int, int]],
-               what: str, site: str) -> None:  # fmt: skip
-        """Check, then record, one operation's accesses by ``actor`` at its next tick."""
+               what: str, site: str, *, also: Clock | None = None) -> None:  # fmt: skip
+        """Check, then record, one operation's accesses by ``actor`` at its next
+        tick (``also``: more the check may count as ordered before, this once)."""
         tick = clock.get(actor, 0) + 1
         new = [Access(kind, actor, tick, lo, hi, what, site) for kind, lo, hi in items if hi > lo]
+        seen = clock
+        if also is not None:
+            seen = dict(clock)
+            join(seen, also)
         for a in new:
             self.checked += 1
-            for shadow in self.overlapping(a.lo, a.hi):
-                w = shadow.write
-                if w is not None and clock.get(w.actor, 0) < w.tick:
-                    raise _hazard(w, a, clock)
+            for segment in self.shadows.overlapping(a.lo, a.hi):
+                w = segment.write
+                if w is not None and w.actor != actor and seen.get(w.actor, 0) < w.tick:
+                    raise self._hazard(w, a, seen)
                 if a.kind == "write":
-                    for r in shadow.reads.values():
-                        if r.actor != actor and clock.get(r.actor, 0) < r.tick:
-                            raise _hazard(r, a, clock)
+                    for r in segment.reads.values():
+                        if r.actor != actor and seen.get(r.actor, 0) < r.tick:
+                            raise self._hazard(r, a, seen)
         clock[actor] = tick
+        seen[actor] = tick
         for a in new:
-            shadow = self.shadow(a.lo, a.hi)
-            if a.kind == "read":
-                shadow.reads[a.actor] = a
-            else:
-                # Every older access inside this range is ordered before this
-                # write (or we raised): the write alone now stands for them.
-                for inner in list(self.overlapping(a.lo, a.hi)):
-                    if inner is not shadow and a.lo <= inner.lo and inner.hi <= a.hi:
-                        self.drop(inner)
-                shadow.write, shadow.reads = a, {}
+            if a.kind == "write":
+                # every access it covers is ordered before it (or we raised)
+                self.shadows.assign(a.lo, a.hi, a)
+                continue
+            for segment in self.shadows.cover(a.lo, a.hi):
+                reads = segment.reads
+                for r in [r for r in reads.values() if seen.get(r.actor, 0) >= r.tick]:
+                    del reads[r.actor]  # this read stands for it from now on
+                reads[actor] = a
 
-
-def _hazard(first: Access, second: Access, clock: Clock) -> HazardError:
-    missing = f"nothing orders {actor_name(second.actor)} after that access"
-    if first.actor in clock:
-        missing = (
-            f"{actor_name(second.actor)} is ordered after earlier work of "
-            f"{actor_name(first.actor)} (an event recorded, or a synchronization made, "
-            "before that access) but not after the access itself"
-        )
-    if second.what.startswith("to_host"):
-        fix = (
-            "to_host() copies on the legacy default stream, which does not wait for "
-            "non-blocking streams: synchronize the writer first, or copy on it with "
-            "`x.to_host(stream=s)`"
-        )
-    elif second.actor[0] == "host":
-        fix = (
-            "wait on the host before touching the data: `await cs.consume(arr)`, "
-            "`cs.consume_blocking(arr)`, or synchronize an event recorded after that work"
-        )
-    elif first.kind == "read" and second.kind == "write":
-        fix = (
-            "the buffer is reused while a reader may still run: write inside "
-            "`with t.writing(s)` on a tracked array (it waits for pending reads), or read "
-            "inside `async with cs.consuming(arr, stream=r)` (it joins the reader back)"
-        )
-    else:
-        fix = (
-            "order the streams: `cs.export()` joins pending work onto one stream, "
-            "`cs.consume(arr, stream=s)` orders s after the producer, "
-            "`with t.writing(s)` / `t.reading(s)` order s after conflicting work, "
-            "or record an event after the first access and make the second stream wait on it"
-        )
-    return HazardError(
-        f"{second.describe()}\n  is not ordered after\n{first.describe()}:\n"
-        f"  {missing}.\n  Fix: {fix}.",
-        first=first,
-        second=second,
-    )
+    def _hazard(self, first: Access, second: Access, clock: Clock) -> HazardError:
+        ordered_host = None
+        for other, c in self.clocks.items():
+            if other[0] == "host" and other != second.actor and other != first.actor:
+                if c.get(first.actor, 0) >= first.tick:
+                    ordered_host = actor_name(other)
+                    break
+        return hazard(first, second, clock, ordered_host)
 
 
 _state = _State()
@@ -294,92 +408,170 @@ def _site() -> str:
     return "<unknown>"
 
 
-# -- hooks called by the rest of the library --------------------------------
+def _device_thread() -> bool:
+    return threading.current_thread().name.startswith(_WORKER_PREFIX)
 
 
-def stream_access(backend: Backend, handle: int, reads: Iterable[tuple[int, int]],
-                  writes: Iterable[tuple[int, int]], what: str) -> None:  # fmt: skip
-    """Work about to be enqueued on ``handle`` reads and writes these byte ranges."""
-    site = _site()
-    items = [("read", lo, hi) for lo, hi in reads] + [("write", lo, hi) for lo, hi in writes]
-    state = _state
-    with state.lock:
-        clock = state.enqueue(backend, handle)
-        state.access(state.stream(backend, handle), clock, items, what, site)
-
-
-def host_access(kind: str, ranges: Iterable[tuple[int, int]], what: str) -> None:
-    """The calling host thread reads or writes these byte ranges now."""
-    site = _site()
-    state = _state
-    with state.lock:
-        actor = state.host()
-        items = [(kind, lo, hi) for lo, hi in ranges]
-        state.access(actor, state.clock(actor), items, what, site)
-
-
-def acquired(lock_owner: object) -> None:
-    """The calling thread took a library lock: it is ordered after whatever
-    the threads that held it before had done (a mutex, as ThreadSanitizer
-    models one). The library's own bookkeeping is real ordering between host
-    threads: a write another thread saw complete and then forgot is behind
-    this thread too."""
-    state = _state
-    with state.lock:
-        found = state.locks.get(lock_owner)
-        if found is not None:
-            state.join(state.clock(state.host()), found)
-
-
-def released(lock_owner: object) -> None:
-    """The calling thread lets go of a library lock (see :func:`acquired`)."""
-    _join_host_into(_state.locks, lock_owner)
+def _tokens(token: object) -> Any:
+    try:
+        weakref.ref(token)
+    except TypeError:
+        return _state.tokens
+    return _state.weak_tokens
 
 
 def happens_before(token: Hashable) -> None:
     """Tell the sanitizer that this thread hands over to whoever calls
-    :func:`happens_after` with ``token`` (a queue put, a lock release, an
-    event set: orderings between host threads it cannot see).
+    :func:`happens_after` with ``token`` (an ordering between host threads
+    that it cannot see: a lock, a socket, a shared flag).
 
     Everything this thread did before is then ordered before what the
     receiving thread does after. ``token`` is any hashable value; calls with
     the same one accumulate. Does not block; a no-op while the sanitizer is off.
+    Queues, futures, thread start and join, ``threading.Event`` and the
+    ``to_thread`` of asyncio and anyio are seen without it.
     """
     if active:
-        _state.tokens.setdefault(token, {})
-        _join_host_into(_state.tokens, token)
+        _before(token)
 
 
 def happens_after(token: Hashable) -> None:
     """The receiving side of :func:`happens_before`: this thread is ordered
-    after every ``happens_before(token)`` made so far. Does not block."""
+    after every ``happens_before(token)`` made so far. Does not block; a no-op
+    while the sanitizer is off."""
     if active:
-        state = _state
-        with state.lock:
-            found = state.tokens.get(token)
-            if found is not None:
-                state.join(state.clock(state.host()), found)
+        _after(token)
 
 
-def _join_host_into(table: Any, key: Any) -> None:
+def _before(token: object) -> None:
+    if _device_thread():
+        return
     state = _state
     with state.lock:
-        clock = table.get(key)
-        host = state.clock(state.host())
-        if clock is None:
-            table[key] = dict(host)
+        table = _tokens(token)
+        c = table.get(token)
+        if c is None:
+            table[token] = dict(state.host_clock())
         else:
-            state.join(clock, host)
+            join(c, state.host_clock())
 
 
-def forget(lo: int, hi: int) -> None:
-    """Device memory ``[lo, hi)`` was freed."""
-    if active:
-        _state.forget(lo, hi)
+def _after(token: object) -> None:
+    if _device_thread():
+        return
+    state = _state
+    with state.lock:
+        found = _tokens(token).get(token)
+        if found is not None:
+            join(state.host_clock(), found)
+
+
+class _Handoffs:
+    """What ``_sanitizer_threads`` reports: orderings between host threads."""
+
+    before = staticmethod(_before)
+    after = staticmethod(_after)
+
+    @staticmethod
+    def started(thread: threading.Thread) -> None:
+        if thread.name.startswith(_WORKER_PREFIX) or _device_thread():
+            return
+        with _state.lock:
+            _state.started[thread] = dict(_state.host_clock())
+
+    @staticmethod
+    def joined(thread: threading.Thread) -> None:
+        if _device_thread():
+            return
+        state = _state
+        with state.lock:
+            final = state.ended.get(thread)
+            if final is None:
+                for actor, ref in state.threads.items():
+                    if ref() is thread:
+                        final = state.clocks[actor]
+                        break
+            if final is not None:
+                join(state.host_clock(), final)
 
 
 class _Watcher(Observer):
-    """Turns the backend's ordering calls into vector-clock joins."""
+    """Checks the declared accesses; turns the backend's ordering calls into
+    vector-clock joins."""
+
+    def stream_access(
+        self,
+        backend: Backend,
+        stream: int,
+        reads: list[tuple[int, int]],
+        writes: list[tuple[int, int]],
+        what: str,
+    ) -> None:
+        site = _site()
+        items = [("read", lo, hi) for lo, hi in reads] + [("write", lo, hi) for lo, hi in writes]
+        state = _state
+        with state.lock:
+            origin = state.capture_of.get(state.stream(backend, stream))
+            if origin is not None:  # recorded, not run: checked when replayed
+                state.captured[origin].append((items, what, site))
+                return
+            actor, clock = state.enqueue(backend, stream)
+            state.access(actor, clock, items, what, site)
+
+    def host_access(
+        self,
+        kind: str,
+        ranges: list[tuple[int, int]],
+        what: str,
+        waited: list[object],
+        events: list[tuple[Backend, int]],
+    ) -> None:
+        """A call of the user's that returned (a ``consume``) orders the thread
+        after what it waited for from now on; inside the library's work for a
+        buffer, what the library knows for it orders this access only."""
+        site = _site()
+        state = _state
+        with state.lock:
+            actor = state.host()
+            clock = state.clocks[actor]
+            scopes = [state.scope_clock(obj) for obj in waited]
+            for key in events:
+                captured = state.events.get(key)
+                if captured is not None:
+                    for c in scopes:  # the library may forget them now: it knows them done
+                        join(c, captured)
+                    join(clock, captured)
+            for c in scopes:
+                join(clock, c)
+            also: Clock | None = None
+            stack = state.scope_stack()
+            if stack:
+                also = {}
+                for obj in stack:
+                    join(also, state.scope_clock(obj))
+            items = [(kind, lo, hi) for lo, hi in ranges]
+            state.access(actor, clock, items, what, site, also=also)
+
+    def scope_entered(self, scope: object) -> None:
+        """What the library learns until the scope is left is credited to it,
+        and what it knew before orders what it enqueues for it."""
+        with _state.lock:
+            _state.scope_stack().append(scope)
+
+    def scope_left(self, scope: object) -> None:
+        with _state.lock:
+            stack = _state.scope_stack()
+            if stack and stack[-1] is scope:
+                stack.pop()
+            elif scope in stack:
+                stack.remove(scope)
+
+    def stream_ordered(self, backend: Backend, stream: int) -> None:
+        state = _state
+        with state.lock:
+            c = state.clock(state.stream(backend, stream))
+            for obj in state.scope_stack():
+                join(c, state.scope_clock(obj))
 
     def enqueue(self, backend: Backend, stream: int) -> None:
         with _state.lock:
@@ -387,33 +579,80 @@ class _Watcher(Observer):
 
     def recorded(self, backend: Backend, event: int, stream: int) -> None:
         with _state.lock:
+            actor = _state.stream(backend, stream)
+            origin = _state.capture_of.get(actor)
+            if origin is not None:  # a node of the graph: a wait on it joins the capture
+                _state.capture_events[(backend, event)] = origin
+                return
             # enqueue() already joined the host into the stream: capture its clock
-            _state.events[(backend, event)] = dict(_state.clock(_state.stream(backend, stream)))
+            _state.events[(backend, event)] = dict(_state.clock(actor))
 
     def waited(self, backend: Backend, stream: int, event: int) -> None:
         with _state.lock:
+            origin = _state.capture_events.get((backend, event))
+            if origin is not None and origin in _state.captured:
+                _state.capture_of[_state.stream(backend, stream)] = origin
+                return
             captured = _state.events.get((backend, event))
             if captured is not None:  # a never-recorded event orders nothing
-                _state.join(_state.clock(_state.stream(backend, stream)), captured)
+                join(_state.clock(_state.stream(backend, stream)), captured)
 
-    def completed(self, backend: Backend, event: int) -> None:
+    def completed(self, backend: Backend, event: int, user: bool) -> None:
         with _state.lock:
             captured = _state.events.get((backend, event))
             if captured is not None:
-                _state.join(_state.clock(_state.host()), captured)
+                _state.completed(captured, user)
 
     def before_stream_sync(self, backend: Backend, stream: int) -> object:
         with _state.lock:
             return dict(_state.clock(_state.stream(backend, stream)))
 
-    def stream_synced(self, backend: Backend, stream: int, token: object) -> None:
+    def stream_synced(self, backend: Backend, stream: int, token: object, user: bool) -> None:
         assert isinstance(token, dict)
         with _state.lock:
-            _state.join(_state.clock(_state.host()), token)
+            _state.completed(token, user)
 
     def destroyed(self, backend: Backend, event: int) -> None:
+        events = _state.events  # (may run from a collection, inside a change of the state)
+
+        def forget() -> None:
+            events.pop((backend, event), None)
+
+        _state.lock.run_or_defer(forget)
+
+    def freed(self, lo: int, hi: int) -> None:
+        _state.freed(lo, hi)
+
+    def capture_began(self, backend: Backend, stream: int) -> None:
         with _state.lock:
-            _state.events.pop((backend, event), None)
+            origin = _state.stream(backend, stream)
+            _state.capture_of[origin] = origin
+            _state.captured[origin] = []
+
+    def capture_ended(self, backend: Backend, stream: int, graph: int) -> None:
+        state = _state
+        with state.lock:
+            origin = state.stream(backend, stream)
+            state.graphs[(backend, graph, False)] = state.captured.pop(origin, [])
+            for table in (state.capture_of, state.capture_events):
+                for key in [k for k, v in table.items() if v == origin]:
+                    del table[key]
+
+    def instantiated(self, backend: Backend, graph: int, graph_exec: int) -> None:
+        with _state.lock:
+            found = _state.graphs.get((backend, graph, False), [])
+            _state.graphs[(backend, graph_exec, True)] = list(found)
+
+    def graph_launch(self, backend: Backend, graph_exec: int, stream: int) -> None:
+        state = _state
+        with state.lock:
+            for items, what, site in state.graphs.get((backend, graph_exec, True), []):
+                actor, clock = state.enqueue(backend, stream)
+                state.access(actor, clock, items, f"graph replay of {what}", site)
+
+    def graph_destroyed(self, backend: Backend, graph: int, executable: bool) -> None:
+        with _state.lock:
+            _state.graphs.pop((backend, graph, executable), None)
 
 
 _watcher = _Watcher()
@@ -421,17 +660,15 @@ _watcher = _Watcher()
 
 def _switch_to(on: bool) -> None:
     global active, _state
-    from ._backend import _sim
-
     if on and not active:
         _state = _State()
         _observe.add(_watcher)
-        _sim.free_hooks.append(forget)
+        _sanitizer_threads.install(_Handoffs())
         active = True
     elif not on and active:
         active = False
+        _sanitizer_threads.uninstall()
         _observe.remove(_watcher)
-        _sim.free_hooks.remove(forget)
 
 
 @contextmanager
@@ -446,6 +683,7 @@ def sanitize(enabled: bool = True) -> Iterator[None]:
     starts from a clean slate. Process-wide; blocks nest. Does not block and
     enqueues nothing.
     """
+    _from_environment()
     with _switch:
         before = active
         _switch_to(enabled)
@@ -458,6 +696,7 @@ def sanitize(enabled: bool = True) -> Iterator[None]:
 
 def sanitizing() -> bool:
     """Whether the sanitizer is on now. Does not block."""
+    _from_environment()
     return active
 
 
@@ -466,13 +705,22 @@ def checks() -> int:
     return _state.checked
 
 
+_env_read = False
+
+
 def _from_environment() -> None:
-    value = os.environ.get("CAI_STREAMS_SANITIZE", "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
+    """``CAI_STREAMS_SANITIZE``, read once: when the first backend is made, or
+    by :func:`sanitize` / :func:`sanitizing`, never at import."""
+    global _env_read
+    if _env_read:
+        return
+    from ._config import sanitize_requested
+
+    on = sanitize_requested()  # raises, naming the variable, on a malformed value
+    _env_read = True
+    if on:
         with _switch:
             _switch_to(True)
-    elif value not in ("", "0", "false", "no", "off"):
-        raise ValueError(f"CAI_STREAMS_SANITIZE={value!r}: expected 0 or 1")
 
 
-_from_environment()
+_backend.first_use.append(_from_environment)

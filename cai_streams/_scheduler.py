@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from . import _capture_guard, _sanitizer
+from . import _capture_guard, _observe
 from ._access import Counters
 from ._backend import Backend, current_backend
 from ._errors import CudaError
@@ -74,8 +74,8 @@ class Scheduler:
 
     def declare_stream_read(self, s: Stream, view: ArrayView, what: str) -> None:
         """Tell the sanitizer that work enqueued on ``s`` from now reads ``view``."""
-        if _sanitizer.active:
-            _sanitizer.stream_access(
+        if _observe.active:
+            _observe.stream_access(
                 self.backend, s.handle, reads=[byte_range(view)], writes=(), what=what
             )
 

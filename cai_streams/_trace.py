@@ -91,7 +91,7 @@ class Trace(Observer):
 
         return kernel
 
-    def sim_kernel(self, stream: int, name: str, start: float, end: float) -> None:
+    def kernel_ran(self, stream: int, name: str, start: float, end: float) -> None:
         """A simulated kernel ran (its duration and jitter included)."""
         track = getattr(self._worker, "track", None)
         self._worker.track = None
@@ -220,13 +220,9 @@ def trace() -> Iterator[Trace]:
 
     Does not block; costs a little host time per record, wait and kernel.
     """
-    from ._backend import _sim
-
     recording = Trace()
     _observe.add(recording)
-    _sim.kernel_hooks.append(recording.sim_kernel)
     try:
         yield recording
     finally:
-        _sim.kernel_hooks.remove(recording.sim_kernel)
         _observe.remove(recording)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from . import _backend, _sanitizer
+from . import _backend, _observe, _sanitizer
 from ._backend import _instance
 from ._backend._sim import SimBackend
 from ._dlpack_export import export_view
@@ -177,8 +177,8 @@ class SimArray:
         def copy() -> None:
             np.copyto(out, src)
 
-        if _sanitizer.active:
-            _sanitizer.stream_access(
+        if _observe.active:
+            _observe.stream_access(
                 backend, handle, reads=[_range(self)], writes=[], what="to_host() copy"
             )
         backend.launch(handle, copy, "to_host", 0.0)
@@ -313,8 +313,8 @@ def launch(
         fn(*resolved)
 
     label = name if name is not None else str(getattr(fn, "__name__", repr(fn)))
-    if _sanitizer.active:
-        _sanitizer.stream_access(
+    if _observe.active:
+        _observe.stream_access(
             backend,
             handle,
             reads=[_range(a) for a in reads],

@@ -1,7 +1,10 @@
 """Test your own pipeline without a GPU: the simulated device with the sanitizer on.
 
 Installed as a pytest plugin (entry point ``pytest11``), so with ``cai-streams``
-installed these are available in every test suite without an import:
+installed these are available in every test suite without an import. The
+plugin registers the marker and the fixture and does nothing else: a test
+that uses neither runs exactly as without the package, and nothing reads a
+``CAI_STREAMS_*`` variable until the library is used.
 
 * the ``cai_sim`` fixture: the test runs on the simulated device with the
   sanitizer on, and gets the device (``cai_sim.jitter``, ``cai_sim.seed``);
@@ -51,10 +54,13 @@ def cai_sim(request: pytest.FixtureRequest) -> Iterator[SimBackend]:
         yield sim_device
 
 
-@pytest.fixture(autouse=True)
-def _cai_sim_marker(request: pytest.FixtureRequest) -> Iterator[None]:
-    if request.node.get_closest_marker("cai_sim") is None or "cai_sim" in request.fixturenames:
-        yield
-        return
-    request.getfixturevalue("cai_sim")
-    yield
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test marked ``cai_sim`` that does not ask for the fixture gets it; no
+    other test is touched (no autouse fixture: projects that have the package
+    installed but never use it see nothing of it)."""
+    for item in items:
+        if item.get_closest_marker("cai_sim") is None:
+            continue
+        names = getattr(item, "fixturenames", None)
+        if isinstance(names, list) and "cai_sim" not in names:
+            names.insert(0, "cai_sim")

@@ -3,10 +3,15 @@ and its verdict on random programs equals a brute-force happens-before oracle.""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import os
+import queue
 import random
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -127,6 +132,64 @@ def _overlapping_slices() -> None:
     r(b, x[32:])
 
 
+def _two_devices() -> tuple[cs.Stream, cs.Stream]:
+    """A stream on device 1 and one on device 0 (this thread stays on 0)."""
+    if cs.device_count() < 2:
+        pytest.skip("needs two simulated devices (CAI_STREAMS_SIM_DEVICES >= 2)")
+    cs.set_device(1)
+    try:
+        one = cs.Stream()
+    finally:
+        cs.set_device(0)
+    return one, cs.Stream()
+
+
+def _cross_device_missing_wait() -> None:
+    (a, b), x = _two_devices(), sim.empty(64, device=1)
+    w(a, x)
+    r(b, x)  # a peer read from device 0, not ordered after device 1's write
+
+
+def _per_thread_streams_of_two_threads() -> None:
+    x = sim.empty(64)
+    th = threading.Thread(target=w, args=(2, x))
+    th.start()
+    th.join()  # orders the enqueue, not the work: handle 2 is that thread's own stream
+    r(2, x)
+
+
+def _fan_out_with_one_reader_not_waiting() -> None:
+    p, x = cs.Stream(), sim.empty(64)
+    readers = [cs.Stream() for _ in range(3)]
+    w(p, x)
+    done = p.record()
+    for s in readers[:2]:
+        s.wait(done)
+    for s in readers:
+        r(s, x)
+
+
+def _captured_write(x: Any) -> int:
+    """A graph that writes ``x``, captured on a stream of its own: the executable."""
+    backend, c = cs.current_backend(), cs.Stream()
+    backend.begin_capture(c.handle, "thread_local")
+    try:
+        w(c, x)
+    finally:
+        graph = backend.end_capture(c.handle)
+    return backend.instantiate_graph(graph)
+
+
+def _graph_replayed_again_unordered() -> None:
+    backend, a, x = cs.current_backend(), cs.Stream(), sim.empty(64)
+    graph = _captured_write(x)
+    backend.launch_graph(graph, a.handle)
+    a.synchronize()
+    x.to_host()  # ordered: the first replay was waited for
+    backend.launch_graph(graph, a.handle)
+    x.to_host()  # the second replay was not
+
+
 RACY: dict[str, tuple[Callable[[], None], str]] = {
     "missing wait": (_missing_wait, "stream"),
     "host read before sync": (_host_read_before_sync, "to_host"),
@@ -139,6 +202,10 @@ RACY: dict[str, tuple[Callable[[], None], str]] = {
     "sync=False then a read elsewhere": (_sync_false_then_read_elsewhere, "kernel 'r'"),
     "consume(stream=, sync=False)": (_enqueue_consume_with_sync_false, "kernel 'r'"),
     "overlapping slices": (_overlapping_slices, "read of"),
+    "cross-device, no wait": (_cross_device_missing_wait, "on device 1"),
+    "handle 2 of two threads": (_per_thread_streams_of_two_threads, "per-thread default"),
+    "fan-out, one reader not waiting": (_fan_out_with_one_reader_not_waiting, "kernel 'r'"),
+    "graph replayed again, not waited for": (_graph_replayed_again_unordered, "graph replay"),
 }
 
 
@@ -256,6 +323,59 @@ async def _every_consume_mode() -> None:
         w(s, t.array)
 
 
+def _cross_device_wait() -> None:
+    (a, b), x = _two_devices(), sim.empty(64, device=1)
+    w(a, x)
+    b.wait(a.record())  # waiting on another device's event is legal, and orders
+    r(b, x)
+
+
+def _produce(x: Any, handoff: Callable[[], None] = lambda: None) -> None:
+    s = cs.Stream()
+    w(s, x, duration=0.001)
+    s.synchronize()
+    handoff()
+
+
+def _thread_handoffs() -> None:
+    x = sim.empty(64)
+    q: queue.Queue[Any] = queue.Queue()
+    th = threading.Thread(target=_produce, args=(x, lambda: q.put(x)))
+    th.start()
+    q.get(timeout=10).to_host()
+    th.join()
+    ready = threading.Event()
+    th = threading.Thread(target=_produce, args=(x, ready.set))
+    th.start()
+    assert ready.wait(10)
+    x.to_host()
+    th.join()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        pool.submit(_produce, x).result(10)
+        x.to_host()
+    th = threading.Thread(target=_produce, args=(x,))
+    th.start()
+    th.join()
+    x.to_host()
+
+
+async def _to_thread_handoffs() -> None:
+    x = sim.empty(64)
+    await asyncio.to_thread(_produce, x)
+    x.to_host()
+    await anyio.to_thread.run_sync(_produce, x)
+    x.to_host()
+
+
+def _graph_replay_waited_for() -> None:
+    """Checked where the graph runs (on ``a``), not where it was captured."""
+    backend, a, b, x = cs.current_backend(), cs.Stream(), cs.Stream(), sim.empty(64)
+    graph = _captured_write(x)
+    backend.launch_graph(graph, a.handle)
+    b.wait(a.record())
+    r(b, x)
+
+
 CLEAN: dict[str, Callable[[], None]] = {
     "event-ordered streams": _event_ordered,
     "host sync": _host_sync,
@@ -264,6 +384,10 @@ CLEAN: dict[str, Callable[[], None]] = {
     "7/9/15 -> 3 export": _spec_export,
     "legacy and per-thread default streams": _legacy_and_blocking_streams,
     "every consume mode": lambda: anyio.run(_every_consume_mode),
+    "cross-device wait": _cross_device_wait,
+    "graph replay waited for": _graph_replay_waited_for,
+    "host threads: queue, event, futures, join": _thread_handoffs,
+    "host threads: asyncio and anyio to_thread": lambda: asyncio.run(_to_thread_handoffs()),
 }
 
 
@@ -317,50 +441,81 @@ def test_environment_switch(value: str, on: bool) -> None:
     assert out.stdout.strip() == str(on)
 
 
-def test_environment_switch_rejects_nonsense() -> None:
-    env = {**os.environ, "CAI_STREAMS_SANITIZE": "maybe"}
-    out = subprocess.run([sys.executable, "-c", "import cai_streams"], env=env,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert out.returncode != 0 and "CAI_STREAMS_SANITIZE" in out.stderr
+def test_environment_switch_rejects_nonsense_when_used_not_at_import() -> None:
+    env = {**os.environ, "CAI_STREAMS_SANITIZE": "maybe", "CAI_STREAMS_BACKEND": "sim"}
+    imported = subprocess.run([sys.executable, "-c", "import cai_streams"], env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert imported.returncode == 0, imported.stderr  # a project that never uses it is fine
+    code = "import cai_streams as cs; cs.current_backend()"
+    used = subprocess.run([sys.executable, "-c", code], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert used.returncode != 0 and "CAI_STREAMS_SANITIZE='maybe'" in used.stderr
 
 
 # -- random programs against a brute-force oracle ----------------------------------------
+#
+# Two host threads run each program's operations (in program order, one at a
+# time, driven through a C queue the sanitizer does not see); between them,
+# handoffs through a queue.Queue, a threading.Event or happens_before/after.
 
 N_STREAMS = 3  # plus the legacy stream, index 3
 LEGACY = N_STREAMS
 N_EVENTS = 2
+N_THREADS = 2
+N_TOKENS = 2
+HANDOFF_KINDS = ("queue", "event", "tokens")
 #: byte ranges of the buffers, as offsets into one allocation: 0 and 1 overlap
 RANGES = [(0, 256), (128, 384), (512, 768)]
 
-Op = tuple[Any, ...]
+Op = tuple[Any, ...]  # (thread, kind, *arguments)
+
+
+def _random_op(rng: random.Random, th: int) -> list[Op]:
+    kinds = ["launch", "record", "wait", "sync_event", "sync_stream", "to_host"]
+    kind = rng.choices(kinds, weights=[6, 3, 3, 2, 2, 1])[0]
+    if kind == "launch":
+        reads = frozenset(b for b in range(len(RANGES)) if rng.random() < 0.3)
+        writes = frozenset(b for b in range(len(RANGES)) if rng.random() < 0.25)
+        return [(th, "launch", rng.randrange(N_STREAMS + 1), reads, writes)]
+    if kind == "record":
+        return [(th, "record", rng.randrange(N_EVENTS), rng.randrange(N_STREAMS + 1))]
+    if kind == "wait":
+        return [(th, "wait", rng.randrange(N_STREAMS + 1), rng.randrange(N_EVENTS))]
+    if kind == "sync_event":
+        return [(th, "sync_event", rng.randrange(N_EVENTS))]
+    if kind == "sync_stream":
+        return [(th, "sync_stream", rng.randrange(N_STREAMS + 1))]
+    read = frozenset([rng.randrange(len(RANGES))])
+    return [(th, "launch", LEGACY, read, frozenset()), (th, "sync_stream", LEGACY)]
 
 
 def _random_program(rng: random.Random) -> list[Op]:
+    """Runs of a few operations by one thread; in two-thread programs, the
+    thread changes after each run, usually with a handoff (sometimes through
+    the wrong token, or none: those are the races between host threads)."""
     program: list[Op] = []
-    for _ in range(rng.randint(2, 24)):
-        kind = rng.choices(["launch", "record", "wait", "sync_event", "sync_stream", "to_host"],
-                           weights=[6, 3, 3, 1, 1, 1])[0]  # fmt: skip
-        if kind == "launch":
-            reads = frozenset(b for b in range(len(RANGES)) if rng.random() < 0.3)
-            writes = frozenset(b for b in range(len(RANGES)) if rng.random() < 0.25)
-            program.append(("launch", rng.randrange(N_STREAMS + 1), reads, writes))
-        elif kind == "record":
-            program.append(("record", rng.randrange(N_EVENTS), rng.randrange(N_STREAMS + 1)))
-        elif kind == "wait":
-            program.append(("wait", rng.randrange(N_STREAMS + 1), rng.randrange(N_EVENTS)))
-        elif kind == "sync_event":
-            program.append(("sync_event", rng.randrange(N_EVENTS)))
-        elif kind == "sync_stream":
-            program.append(("sync_stream", rng.randrange(N_STREAMS + 1)))
-        else:
-            program.append(("launch", LEGACY, frozenset([rng.randrange(len(RANGES))]), frozenset()))
-            program.append(("sync_stream", LEGACY))
+    threads = rng.choice([1, N_THREADS, N_THREADS, N_THREADS])
+    target, th = rng.randint(2, 24), 0
+    while len(program) < target:
+        for _ in range(rng.randint(1, 4)):
+            program += _random_op(rng, th)
+        launched = [op[2] for op in program if op[0] == th and op[1] == "launch"]
+        if threads > 1 and launched and rng.random() < 0.6:  # wait for it, then hand over
+            program.append((th, "sync_stream", launched[-1]))
+        if threads > 1:
+            token = rng.randrange(N_TOKENS)
+            if rng.random() < 0.8:
+                program.append((th, "give", token))
+            th = 1 - th
+            if rng.random() < 0.8:
+                program.append((th, "take", token if rng.random() < 0.8 else 1 - token))
     return program
 
 
-def _oracle(program: list[Op]) -> int | None:
+def _oracle(program: list[Op], handoff: str, *, handoffs: bool = True) -> int | None:
     """The index of the first op whose access races with an earlier one, by
-    reachability in the happens-before graph built from CUDA's rules alone."""
+    reachability in the happens-before graph built from CUDA's rules and the
+    host threads' handoffs alone (``handoffs=False``: as if they were unseen)."""
     # nodes: ("h", k) host issue of op k, ("d", k) device execution of op k
     edges: dict[tuple[str, int], set[tuple[str, int]]] = {}
 
@@ -368,29 +523,43 @@ def _oracle(program: list[Op]) -> int | None:
         edges.setdefault(a, set()).add(b)
 
     last_on: dict[int, int] = {}
+    last_of: dict[int, int] = {}  # host thread -> its previous op
     recorded: dict[int, int] = {}
+    given: dict[int, list[int]] = {}  # token -> the gives so far
+    queued: dict[int, int] = {}  # token -> items in its queue
     accesses: list[tuple[int, str, int]] = []  # (op, kind, buffer)
-    for k, op in enumerate(program):
-        if k:
-            edge(("h", k - 1), ("h", k))
-        kind = op[0]
+    for k, (th, kind, *args) in enumerate(program):
+        if th in last_of:
+            edge(("h", last_of[th]), ("h", k))
+        last_of[th] = k
         if kind in ("launch", "record", "wait"):
-            stream = op[1] if kind != "record" else op[2]
+            stream = args[1] if kind == "record" else args[0]
             edge(("h", k), ("d", k))
             if stream in last_on:
                 edge(("d", last_on[stream]), ("d", k))
             last_on[stream] = k
             if kind == "launch":
-                accesses += [(k, "read", b) for b in op[2]] + [(k, "write", b) for b in op[3]]
+                accesses += [(k, "read", b) for b in args[1]] + [(k, "write", b) for b in args[2]]
             elif kind == "record":
-                recorded[op[1]] = k
-            elif op[2] in recorded:
-                edge(("d", recorded[op[2]]), ("d", k))
+                recorded[args[0]] = k
+            elif args[1] in recorded:
+                edge(("d", recorded[args[1]]), ("d", k))
         elif kind == "sync_event":
-            if op[1] in recorded:
-                edge(("d", recorded[op[1]]), ("h", k))
-        elif kind == "sync_stream" and op[1] in last_on:
-            edge(("d", last_on[op[1]]), ("h", k))
+            if args[0] in recorded:
+                edge(("d", recorded[args[0]]), ("h", k))
+        elif kind == "sync_stream":
+            if args[0] in last_on:
+                edge(("d", last_on[args[0]]), ("h", k))
+        elif kind == "give":
+            given.setdefault(args[0], []).append(k)
+            queued[args[0]] = queued.get(args[0], 0) + 1
+        elif kind == "take" and handoffs:
+            if handoff == "queue":  # a get takes an item, when there is one
+                if not queued.get(args[0]):
+                    continue
+                queued[args[0]] -= 1
+            for g in given.get(args[0], []):  # ordered after every give so far
+                edge(("h", g), ("h", k))
 
     def reaches(a: int, b: int) -> bool:
         seen, todo = set(), [("d", a)]
@@ -416,26 +585,96 @@ def _oracle(program: list[Op]) -> int | None:
     return None
 
 
-def _run(program: list[Op], streams: list[int], events: list[int], base: Any) -> int | None:
+class _Handoffs:
+    """One program's handoff objects, of one kind."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.queues: list[queue.Queue[None]] = [queue.Queue() for _ in range(N_TOKENS)]
+        self.events = [threading.Event() for _ in range(N_TOKENS)]
+
+    def give(self, token: int) -> None:
+        if self.kind == "queue":
+            self.queues[token].put(None)
+        elif self.kind == "event":
+            self.events[token].set()
+        else:
+            cs.happens_before(("oracle token", token))
+
+    def take(self, token: int) -> None:
+        if self.kind == "queue":
+            try:
+                self.queues[token].get_nowait()
+            except queue.Empty:
+                pass
+        elif self.kind == "event":
+            self.events[token].wait(0)
+        else:
+            cs.happens_after(("oracle token", token))
+
+
+def _step(op: Op, streams: list[int], events: list[int], views: list[Any],
+          handoffs: _Handoffs) -> None:  # fmt: skip
     backend = cs.current_backend()
-    views = [base[lo // 4 : hi // 4] for lo, hi in RANGES]
-    for k, op in enumerate(program):
-        kind = op[0]
-        try:
-            if kind == "launch":
-                sim.launch(streams[op[1]], _read, reads=[views[b] for b in op[2]],
-                           writes=[views[b] for b in op[3]])  # fmt: skip
-            elif kind == "record":
-                backend.record(events[op[1]], streams[op[2]])
-            elif kind == "wait":
-                backend.stream_wait_event(streams[op[1]], events[op[2]])
-            elif kind == "sync_event":
-                backend.synchronize_event(events[op[1]])
+    _, kind, *args = op
+    if kind == "launch":
+        sim.launch(streams[args[0]], _read, reads=[views[b] for b in args[1]],
+                   writes=[views[b] for b in args[2]])  # fmt: skip
+    elif kind == "record":
+        backend.record(events[args[0]], streams[args[1]])
+    elif kind == "wait":
+        backend.stream_wait_event(streams[args[0]], events[args[1]])
+    elif kind == "sync_event":
+        backend.synchronize_event(events[args[0]])
+    elif kind == "sync_stream":
+        backend.synchronize_stream(streams[args[0]])
+    elif kind == "give":
+        handoffs.give(args[0])
+    else:
+        handoffs.take(args[0])
+
+
+class _Worker:
+    """A host thread that runs the steps it is sent, through C queues (unseen)."""
+
+    def __init__(self) -> None:
+        self.inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="oracle-worker", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (step := self.inbox.get()) is not None:
+            try:
+                step()
+            except BaseException as exc:  # noqa: BLE001 - handed back to the driver
+                self.outbox.put(exc)
             else:
-                backend.synchronize_stream(streams[op[1]])
+                self.outbox.put(None)
+
+    def run(self, step: Callable[[], None]) -> None:
+        self.inbox.put(step)
+        got = self.outbox.get(timeout=60)
+        if got is not None:
+            raise got
+
+
+def _run(program: list[Op], streams: list[int], events: list[int], base: Any,
+         worker: _Worker, handoff: str) -> int | None:  # fmt: skip
+    views = [base[lo // 4 : hi // 4] for lo, hi in RANGES]
+    handoffs = _Handoffs(handoff)
+    for k, op in enumerate(program):
+        try:
+            if op[0] == 0:
+                _step(op, streams, events, views, handoffs)
+            else:
+                worker.run(functools.partial(_step, op, streams, events, views, handoffs))
         except cs.HazardError:
             return k
     return None
+
+
+PROGRAMS = 5000
 
 
 def test_random_programs_match_the_happens_before_oracle() -> None:
@@ -445,20 +684,31 @@ def test_random_programs_match_the_happens_before_oracle() -> None:
     streams = [s.handle for s in owned] + [1]
     base = sim.empty(1024 // 4, "float32")
     sim.device().jitter, saved = 0.0, sim.device().jitter
-    racy = 0
+    worker = _Worker()
+    racy = threaded = decided = 0
     try:
-        for n in range(2000):
+        for n in range(PROGRAMS):
             program = _random_program(rng)
+            handoff = HANDOFF_KINDS[n % len(HANDOFF_KINDS)]
             events = [backend.create_event() for _ in range(N_EVENTS)]
             with cs.sanitize(False), cs.sanitize():  # a clean slate per program
-                got = _run(program, streams, events, base)
+                got = _run(program, streams, events, base, worker, handoff)
             for e in events:
                 backend.destroy_event(e)
-            expected = _oracle(program)
-            assert got == expected, f"program {n}: sanitizer {got}, oracle {expected}: {program}"
+            expected = _oracle(program, handoff)
+            assert got == expected, (
+                f"program {n} ({handoff}): sanitizer {got}, oracle {expected}: {program}"
+            )
             racy += expected is not None
+            threaded += any(op[0] == 1 for op in program)
+            decided += expected != _oracle(program, handoff, handoffs=False)
     finally:
+        worker.inbox.put(None)
+        worker.thread.join(10)
         sim.device().jitter = saved
         for s in owned:
             s.synchronize()
-    assert 400 < racy < 1600, racy  # both verdicts are well represented
+    # both verdicts are well represented, and so are programs whose verdict a
+    # handoff between host threads decides
+    assert 0.2 * PROGRAMS < racy < 0.8 * PROGRAMS, racy
+    assert threaded > 0.5 * PROGRAMS and decided > 0.03 * PROGRAMS, (threaded, decided)

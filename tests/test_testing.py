@@ -119,3 +119,41 @@ def test_simulated_restores_what_it_changed() -> None:
     with pytest.raises(ValueError, match="jitter"):
         with simulated(jitter=-1):
             pass
+
+
+_UNRELATED = """
+import sys
+
+import pytest
+
+
+def test_plain(request):
+    assert "cai_streams.testing" in sys.modules  # the plugin is loaded...
+    ours = [n for n in request.fixturenames if "cai" in n]
+    assert ours == [], ours  # ...and applies nothing to a test that does not ask
+
+
+@pytest.mark.cai_sim(seed=3)
+def test_marked(request):
+    import cai_streams as cs
+
+    assert "cai_sim" in request.fixturenames and cs.sanitizing()
+"""
+
+
+def test_an_unrelated_project_sees_nothing_of_the_plugin(tmp_path: Path) -> None:
+    """A project that has the package installed and never uses it: no fixture
+    of ours on its tests, and a malformed switch in the environment is not
+    read, so its run passes. The marked test is the control: it gets the fixture."""
+    source = _UNRELATED.split("@pytest.mark.cai_sim")[0]
+    out = _pytest(tmp_path, source, CAI_STREAMS_SYNC="maybe", CAI_STREAMS_SANITIZE="perhaps")
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout + out.stderr
+    out = _pytest(tmp_path, _UNRELATED, CAI_STREAMS_BACKEND="sim")
+    assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_malformed_switch_is_named_when_the_library_is_used(tmp_path: Path) -> None:
+    source = "import cai_streams as cs\n\ndef test_it():\n    cs.current_backend()\n"
+    out = _pytest(tmp_path, source, CAI_STREAMS_SANITIZE="perhaps")
+    assert out.returncode == 1, out.stdout
+    assert "CAI_STREAMS_SANITIZE='perhaps': expected 0 or 1" in out.stdout, out.stdout

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -228,13 +227,19 @@ def _backend_class(name: str) -> type[Backend]:
     raise ValueError(f"unknown backend {name!r}: expected one of {', '.join(BACKEND_NAMES)}")
 
 
-#: set by the sanitizer while it is on: called with every backend made
+#: set by the observation channel (``_observe``) while anyone observes: called
+#: with every backend made
 instrument: Callable[[Backend], None] | None = None
+#: called once, before the first backend is made (the sanitizer reads its switch)
+first_use: list[Callable[[], None]] = []
 
 
 def _instance(name: str) -> Backend:
     backend = _instances.get(name)
     if backend is None:
+        for first in list(first_use):
+            first()  # may raise (a malformed switch): then it runs again next time
+            first_use.remove(first)
         cls = _backend_class(name)
         reason = cls.unavailable_reason()
         if reason is not None:
@@ -288,16 +293,15 @@ def _select_default() -> Backend:
     with _lock:
         if _current is not None:
             return _current
-        requested = os.environ.get("CAI_STREAMS_BACKEND", "").strip()
-        if requested:
-            if requested not in BACKEND_NAMES:
-                raise CaiStreamsError(
-                    f"CAI_STREAMS_BACKEND={requested!r}: expected one of {', '.join(BACKEND_NAMES)}"
-                )
+        from .._config import backend_name, sim_decoy  # late: _config imports this package
+
+        try:
+            requested = backend_name(BACKEND_NAMES)
+        except ValueError as exc:
+            raise CaiStreamsError(str(exc)) from None
+        if requested is not None:
             _current = _instance(requested)
             return _current
-        from .._config import sim_decoy  # imported late: _config imports this package
-
         if sim_decoy():
             _current = _instance(DECOY_NAME)  # silently, as cuda is chosen on a GPU
             return _current

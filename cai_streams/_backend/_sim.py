@@ -41,7 +41,6 @@ What else real CUDA does to programs that get it wrong, modelled here:
 from __future__ import annotations
 
 import itertools
-import os
 import random
 import threading
 import time
@@ -100,14 +99,14 @@ class SimBackend(Backend):
         return None
 
     def __init__(self, *, seed: int | None = None, jitter: float | None = None) -> None:
-        from .._config import sim_devices  # late: _config imports the package
+        from .._config import sim_devices, sim_jitter, sim_seed  # late: _config imports us
 
-        env_seed = os.environ.get("CAI_STREAMS_SIM_SEED", "").strip()
         if seed is None:
-            seed = int(env_seed) if env_seed else random.SystemRandom().randrange(2**32)
+            seed = sim_seed()
+            if seed is None:
+                seed = random.SystemRandom().randrange(2**32)
         if jitter is None:
-            env_jitter = os.environ.get("CAI_STREAMS_SIM_JITTER", "").strip()
-            jitter = float(env_jitter) if env_jitter else DEFAULT_JITTER
+            jitter = sim_jitter(DEFAULT_JITTER)
         #: the seed of every stream's jitter sequence
         self.seed: int = seed
         #: upper bound, in seconds, of the random delay added to each kernel

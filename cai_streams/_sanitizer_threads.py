@@ -1,0 +1,189 @@
+"""Orderings between host threads that the sanitizer sees, while it is on.
+
+A handoff between host threads orders everything the giving thread did
+before it before everything the receiving thread does after it. These are
+seen, by wrapping the Python-level calls while the sanitizer is on (and only
+then): ``Thread.start`` / ``Thread.join``, ``queue.Queue`` ``put`` / ``get``
+(and its subclasses), ``concurrent.futures`` (``submit`` into a thread pool,
+``set_result`` / ``result``), ``threading.Event`` ``set`` / ``wait``,
+``threading.Condition`` ``notify`` / ``wait``, ``asyncio.to_thread``,
+``anyio.to_thread.run_sync`` and ``trio.to_thread.run_sync`` (called through
+their modules). ``threading.Lock`` and ``RLock`` are C types whose methods
+cannot be wrapped, and a function imported by name before the sanitizer was
+turned on is not wrapped: say such orderings with ``cs.happens_before(token)``
+and ``cs.happens_after(token)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import queue
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+__all__ = ["Handoffs", "Token", "install", "uninstall"]
+
+
+class Token:
+    """A fresh handoff token (weakly referenced by the sanitizer)."""
+
+    __slots__ = ("__weakref__",)
+
+
+class Handoffs(Protocol):
+    def before(self, token: object) -> None:
+        """The calling thread hands over through ``token``."""
+
+    def after(self, token: object) -> None:
+        """The calling thread receives what was handed over through ``token``."""
+
+    def started(self, thread: threading.Thread) -> None:
+        """The calling thread starts ``thread``."""
+
+    def joined(self, thread: threading.Thread) -> None:
+        """The calling thread saw ``thread`` end."""
+
+
+_saved: list[tuple[Any, str, Any]] = []
+_local = threading.local()
+_registered: dict[int, threading.Thread] = threading._active  # type: ignore[attr-defined]
+
+
+def _tell(report: Callable[[Any], None], arg: Any) -> None:
+    """Call ``report`` unless this thread is already inside one (``current_thread()``
+    of a foreign thread makes a ``_DummyThread``, which sets an ``Event``)."""
+    if getattr(_local, "busy", False) or threading.get_ident() not in _registered:
+        return  # (a thread still starting: current_thread() would make a dummy)
+    _local.busy = True
+    try:
+        report(arg)
+    finally:
+        _local.busy = False
+
+
+def _patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+    real = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    _saved.append((owner, name, real))
+    setattr(owner, name, make(real))
+
+
+def _to_thread(h: Handoffs, real: Any, keywords_to_func: bool) -> Any:
+    """``real(func, *args, ...)`` runs ``func`` in another thread and awaits it."""
+
+    @functools.wraps(real)
+    async def to_thread(func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        there, back = Token(), Token()
+        _tell(h.before, there)
+        if keywords_to_func and kwargs:
+            func, kwargs = functools.partial(func, **kwargs), {}
+
+        def run(*a: Any) -> Any:
+            _tell(h.after, there)
+            try:
+                return func(*a)
+            finally:
+                _tell(h.before, back)
+
+        try:
+            return await real(run, *args, **kwargs)
+        finally:
+            _tell(h.after, back)
+
+    return to_thread
+
+
+def install(h: Handoffs) -> None:
+    """Wrap the calls above (once; :func:`uninstall` restores them)."""
+    if _saved:
+        return
+
+    def start(real: Any) -> Any:
+        def wrapped(self: threading.Thread) -> None:
+            _tell(h.started, self)
+            real(self)
+
+        return wrapped
+
+    def join(real: Any) -> Any:
+        def wrapped(self: threading.Thread, timeout: float | None = None) -> None:
+            real(self, timeout)
+            if not self.is_alive():
+                _tell(h.joined, self)
+
+        return wrapped
+
+    def giving(real: Any) -> Any:
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _tell(h.before, self)
+            return real(self, *args, **kwargs)
+
+        return wrapped
+
+    def receiving(real: Any) -> Any:
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            got = real(self, *args, **kwargs)
+            _tell(h.after, self)
+            return got
+
+        return wrapped
+
+    def waiting(real: Any) -> Any:  # returns whether it was woken
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            got = real(self, *args, **kwargs)
+            if got:
+                _tell(h.after, self)
+            return got
+
+        return wrapped
+
+    def resulting(real: Any) -> Any:
+        def wrapped(self: concurrent.futures.Future[Any], *args: Any, **kwargs: Any) -> Any:
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                if self.done():
+                    _tell(h.after, self)
+
+        return wrapped
+
+    def submit(real: Any) -> Any:
+        def wrapped(self: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+            there = Token()
+            _tell(h.before, there)
+
+            def run(*a: Any, **kw: Any) -> Any:
+                _tell(h.after, there)
+                return fn(*a, **kw)
+
+            return real(self, run, *args, **kwargs)
+
+        return wrapped
+
+    _patch(threading.Thread, "start", start)
+    _patch(threading.Thread, "join", join)
+    _patch(queue.Queue, "put", giving)
+    _patch(queue.Queue, "get", receiving)
+    _patch(threading.Event, "set", giving)
+    _patch(threading.Event, "wait", waiting)
+    _patch(threading.Condition, "notify", giving)
+    _patch(threading.Condition, "wait", waiting)
+    _patch(concurrent.futures.Future, "set_result", giving)
+    _patch(concurrent.futures.Future, "set_exception", giving)
+    _patch(concurrent.futures.Future, "result", resulting)
+    _patch(concurrent.futures.Future, "exception", resulting)
+    _patch(concurrent.futures.ThreadPoolExecutor, "submit", submit)
+    _patch(asyncio, "to_thread", lambda real: _to_thread(h, real, keywords_to_func=True))
+    for name in ("anyio.to_thread", "trio.to_thread"):
+        module = sys.modules.get(name)
+        if module is not None:  # their keywords are options of run_sync itself
+            _patch(module, "run_sync", lambda real: _to_thread(h, real, keywords_to_func=False))
+
+
+def uninstall() -> None:
+    while _saved:
+        owner, name, real = _saved.pop()
+        setattr(owner, name, real)

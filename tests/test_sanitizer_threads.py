@@ -1,0 +1,300 @@
+"""The sanitizer's verdict does not depend on timing nor on the library's own
+queries, and host threads that hand data over through what Python offers are
+never flagged, while a handoff made too early always is."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams import sim
+
+SLOW = 0.03  # long enough that a copy which does not wait reads the old data
+
+
+@pytest.fixture(autouse=True)
+def _sim() -> Iterator[None]:
+    with sim.simulated(jitter=0.0):
+        yield
+
+
+def _ones(x: np.ndarray[Any, Any]) -> None:
+    x[...] = 1
+
+
+def write(s: cs.Stream, x: sim.SimArray, duration: float = 0.0) -> None:
+    sim.launch(s, _ones, x, writes=[x], duration=duration, name="ones")
+
+
+def zeros() -> sim.SimArray:
+    return sim.asarray(np.zeros(64, "float32"))
+
+
+# -- the library's own queries never order the user's host read -------------------
+
+
+def _library_calls(s: cs.Stream, c: cs.Stream) -> None:
+    """Calls whose internal queries see work on ``s`` complete: a consume of an
+    unrelated array onto another stream (an event on ``s``, released to the
+    pool), then ``stats()``, which reclaims that event by querying it."""
+    y = sim.empty(8)
+    y.stream = s.handle
+    anyio.run(lambda: cs.consume(y, stream=c))
+    cs.stats()
+
+
+@pytest.mark.parametrize("timing", ["work done, then library calls", "slow work"])
+def test_an_unordered_host_read_is_named_on_every_run(timing: str) -> None:
+    s, c, x = cs.Stream(), cs.Stream(), zeros()
+    write(s, x, duration=0.0 if timing.startswith("work done") else SLOW)
+    _library_calls(s, c)
+    if timing.startswith("work done"):
+        assert sim.device().drain()  # the write has run; the program never waited for it
+    cs.stats()
+    with pytest.raises(cs.HazardError, match="to_host"):
+        x.to_host()
+
+
+def test_the_unordered_read_is_a_real_race_and_the_synchronized_one_is_not() -> None:
+    """The controls: unsanitized, the same read gets the old data when the
+    work is slow; with the writer synchronized it is never flagged."""
+    s, c, x = cs.Stream(), cs.Stream(), zeros()
+    with cs.sanitize(False):
+        write(s, x, duration=SLOW)
+        _library_calls(s, c)
+        assert (x.to_host() == 0).all()  # wrong: the write had not run
+    s.synchronize()
+    write(s, x, duration=SLOW)
+    _library_calls(s, c)
+    s.synchronize()
+    assert (x.to_host() == 1).all()
+
+
+# -- host threads handing data over -------------------------------------------------
+#
+# A producer thread writes on its stream, synchronizes it, and hands the array
+# to a consumer thread, which copies it to the host. Correct: the handoff comes
+# after the synchronize. The control makes the handoff before the synchronize:
+# the consumer's copy is then really unordered with the write (unsanitized, it
+# reads zeros), and must be named, as a missing host-thread ordering.
+
+Produce = Callable[[Callable[[], None]], Callable[[], np.ndarray[Any, Any]]]
+
+
+def _producer(x: sim.SimArray, early: bool) -> Callable[[Callable[[], None]], None]:
+    """The producer's body, calling ``handoff()`` after (or, ``early``, before)
+    its synchronize."""
+
+    def produce(handoff: Callable[[], None]) -> None:
+        s = cs.Stream()
+        write(s, x, duration=SLOW)
+        if early:
+            handoff()
+        s.synchronize()
+        if not early:
+            handoff()
+
+    return produce
+
+
+def _via_queue(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
+    q: queue.Queue[sim.SimArray] = queue.Queue()
+    th = threading.Thread(target=_producer(x, early), args=(lambda: q.put(x),))
+    th.start()
+    try:
+        return q.get(timeout=10).to_host()
+    finally:
+        th.join()
+
+
+def _via_event(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
+    ready = threading.Event()
+    th = threading.Thread(target=_producer(x, early), args=(ready.set,))
+    th.start()
+    try:
+        assert ready.wait(10)
+        return x.to_host()
+    finally:
+        th.join()
+
+
+def _via_join(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
+    if early:  # the thread hands over by ending: "early" is an unjoined read
+        got: list[np.ndarray[Any, Any]] = []
+        reader = threading.Thread(target=lambda: got.append(x.to_host()))
+
+        def produce() -> None:
+            s = cs.Stream()
+            write(s, x, duration=SLOW)
+            reader.start()  # started before the synchronize: not ordered after it
+            s.synchronize()
+
+        th = threading.Thread(target=produce)
+        th.start()
+        th.join()
+        reader.join()
+        if not got:
+            raise _thread_errors.pop()
+        return got[0]
+    th = threading.Thread(target=_producer(x, early), args=(lambda: None,))
+    th.start()
+    th.join()
+    return x.to_host()
+
+
+def _via_futures(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        if early:
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
+            pool.submit(_producer(x, True), lambda: done.set_result(None))
+            done.result(10)
+        else:
+            pool.submit(_producer(x, False), lambda: None).result(10)
+        return x.to_host()
+
+
+def _via_asyncio_to_thread(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
+    async def main() -> np.ndarray[Any, Any]:
+        if early:
+            loop = asyncio.get_running_loop()
+            handed: asyncio.Future[None] = loop.create_future()
+
+            def handoff() -> None:
+                loop.call_soon_threadsafe(handed.set_result, None)  # not seen
+
+            task = asyncio.ensure_future(asyncio.to_thread(_producer(x, True), handoff))
+            await handed
+            try:
+                return x.to_host()
+            finally:
+                await task
+        await asyncio.to_thread(_producer(x, False), lambda: None)
+        return x.to_host()
+
+    return asyncio.run(main())
+
+
+def _via_anyio_to_thread(backend: str) -> Callable[[sim.SimArray, bool], np.ndarray[Any, Any]]:
+    def run(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
+        async def main() -> np.ndarray[Any, Any]:
+            if early:
+                handed = anyio.Event()
+                token = anyio.lowlevel.current_token()
+
+                def handoff() -> None:
+                    anyio.from_thread.run_sync(handed.set, token=token)  # not seen
+
+                got: list[Any] = []
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(anyio.to_thread.run_sync, _producer(x, True), handoff)
+                    await handed.wait()
+                    try:
+                        got.append(x.to_host())
+                    except cs.HazardError as exc:  # raised here, not in a group
+                        got.append(exc)
+                if isinstance(got[0], BaseException):
+                    raise got[0]
+                return np.asarray(got[0])
+            await anyio.to_thread.run_sync(_producer(x, False), lambda: None)
+            return x.to_host()
+
+        return anyio.run(main, backend=backend)
+
+    return run
+
+
+def _via_tokens(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
+    lock = threading.Lock()  # a C lock: not seen, so the program says it
+    lock.acquire()
+
+    def handoff() -> None:
+        cs.happens_before("tokens test")
+        lock.release()
+
+    th = threading.Thread(target=_producer(x, early), args=(handoff,))
+    th.start()
+    try:
+        assert lock.acquire(timeout=10)
+        cs.happens_after("tokens test")
+        return x.to_host()
+    finally:
+        th.join()
+
+
+HANDOFFS: dict[str, Callable[[sim.SimArray, bool], np.ndarray[Any, Any]]] = {
+    "queue.Queue": _via_queue,
+    "threading.Event": _via_event,
+    "Thread.join": _via_join,
+    "concurrent.futures": _via_futures,
+    "asyncio.to_thread": _via_asyncio_to_thread,
+    "anyio.to_thread (asyncio)": _via_anyio_to_thread("asyncio"),
+    "anyio.to_thread (trio)": _via_anyio_to_thread("trio"),
+    "happens_before/after": _via_tokens,
+}
+
+_thread_errors: list[BaseException] = []
+
+
+@pytest.fixture(autouse=True)
+def _collect_thread_errors() -> Iterator[None]:
+    previous = threading.excepthook
+    threading.excepthook = lambda args: _thread_errors.append(args.exc_value)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
+        _thread_errors.clear()
+
+
+@pytest.mark.parametrize("name", list(HANDOFFS))
+def test_a_host_thread_handoff_after_the_synchronize_is_never_flagged(name: str) -> None:
+    x = zeros()
+    assert (HANDOFFS[name](x, False) == 1).all()
+    assert not _thread_errors
+
+
+@pytest.mark.parametrize("name", list(HANDOFFS))
+def test_a_handoff_before_the_synchronize_is_always_flagged(name: str) -> None:
+    x = zeros()
+    with pytest.raises(cs.HazardError, match="to_host") as info:
+        HANDOFFS[name](x, True)
+    assert "kernel 'ones'" in str(info.value)
+
+
+def test_an_unseen_handoff_is_named_as_a_missing_host_thread_ordering() -> None:
+    """A C lock hands over after the synchronize, and the program does not say
+    so: the producer thread is ordered after the write, the consumer is not,
+    and the message says which ordering is missing and how to state it."""
+    x = zeros()
+    lock = threading.Lock()
+    lock.acquire()
+    th = threading.Thread(target=_producer(x, False), args=(lock.release,))
+    th.start()
+    try:
+        assert lock.acquire(timeout=10)
+        with pytest.raises(cs.HazardError) as info:
+            x.to_host()
+    finally:
+        th.join()
+    message = str(info.value)
+    assert "host-thread ordering is missing" in message, message
+    assert "cs.happens_before(token)" in message and "queue.Queue" in message
+
+
+@pytest.mark.parametrize("name", list(HANDOFFS))
+def test_the_early_handoff_reads_wrong_data_unsanitized(name: str) -> None:
+    """The control: the program the sanitizer names really races."""
+    x = zeros()
+    with cs.sanitize(False):
+        got = HANDOFFS[name](x, True)
+    assert (got == 0).all()
