@@ -5,7 +5,10 @@ kernels (random durations) run on up to 16 streams, about 0.4 s of work per
 stream whatever N. Every method runs in the same process on the same backend:
 
 - ``cai_streams``: ``await event.wait()`` through the shared poller (what
-  ``await cs.consume(arr)`` does), default policy;
+  ``await cs.consume(arr)`` does), default policy: on this backend, the
+  poller woken by a doorbell (a ``sem_post`` host function on a notifier stream);
+- ``cai_streams poller``: the same with ``PollPolicy(wake="poll")``: polling
+  only, the default before the doorbell;
 - ``cai_streams low-latency``: the same with ``PollPolicy.low_latency()``;
 - ``to_thread``: ``await anyio.to_thread.run_sync(event.synchronize)``;
 - ``poll 1 ms``: per waiter, ``while not event.is_done: await anyio.sleep(0.001)``;
@@ -62,6 +65,7 @@ async def _blocking(event: cs.Event, stream: cs.Stream) -> None:
 
 METHODS: dict[str, tuple[Waiter, cs.PollPolicy | None]] = {
     "cai_streams": (_shared, cs.PollPolicy()),
+    "cai_streams poller": (_shared, cs.PollPolicy(wake="poll")),
     "cai_streams low-latency": (_shared, cs.PollPolicy.low_latency()),
     "to_thread": (_to_thread, None),
     "poll 1 ms": (_poll_1ms, None),

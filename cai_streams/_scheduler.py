@@ -17,6 +17,7 @@ from collections import deque
 from . import _sanitizer
 from ._access import Counters
 from ._backend import Backend, current_backend
+from ._doorbell import stats as doorbell_stats
 from ._errors import CudaError
 from ._events import EventPool, record
 from ._identity import StreamId
@@ -169,13 +170,18 @@ def stats() -> dict[str, int]:
     consumers), ``waits_elided`` (pending work found complete), ``exports``,
     ``tracked`` (buffers with tracked state); and, for the shared poller of
     every event loop, ``poll_passes``, ``poll_queries`` (event queries made)
-    and ``poll_wakes`` (waiters woken). Does not block.
+    and ``poll_wakes`` (waiters woken); for the doorbell (process-wide),
+    ``doorbells_armed``, ``doorbells_fired``, ``doorbells_retired`` (never to
+    fire: their device faulted) and ``doorbell_lanes`` (notifier streams):
+    once nothing is pending, armed == fired + retired. Does not block (it
+    makes one stream query per notifier stream with a bell armed).
     """
     sched = scheduler_for(current_backend())
     sched.collect()
     sched.pool.reclaim()
     c = sched.counters
     return {
+        **doorbell_stats(),
         "poll_passes": poll_counters.passes,
         "poll_queries": poll_counters.queries,
         "poll_wakes": poll_counters.wakes,
