@@ -15,7 +15,7 @@ from typing import Any
 from . import _backend
 from ._backend import Backend
 
-__all__ = ["Observer", "add", "remove"]
+__all__ = ["Observer", "add", "remove", "saw_complete"]
 
 
 class Observer:
@@ -73,6 +73,13 @@ def remove(observer: Observer) -> None:
                 for name in names:
                     backend.__dict__.pop(name, None)
             _wrapped.clear()
+
+
+def saw_complete(backend: Backend, event: int) -> None:
+    """The calling thread learnt, without a query, that ``event`` is complete
+    (its doorbell rang): tell the observers as a query would have."""
+    for o in _observers:
+        o.completed(backend, event)
 
 
 def _wrap(backend: Backend) -> None:

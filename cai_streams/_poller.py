@@ -35,6 +35,7 @@ import sniffio
 from ._backend import Backend
 from ._doorbell import WAKE_MODES, BellState, Fired, PollerBells, WakeMode
 from ._events import Mark
+from ._observe import saw_complete
 
 __all__ = ["PollPolicy", "poll_policy", "set_poll_policy", "wait_for_event", "wait_for_events"]
 
@@ -219,6 +220,7 @@ class _Poller:
                 head = queue.popleft()
                 if head.waiters and head.state is _State.WAITING:
                     head.state = _State.DONE
+                    saw_complete(head.backend, head.event)  # what a query would tell observers
                     self.entries.pop((head.backend, head.event), None)
                     for waiter in head.waiters:
                         waiter.set()
