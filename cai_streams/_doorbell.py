@@ -438,17 +438,22 @@ class PollerBells:
             self.wake_now()  # the poller's own cadence takes over
 
     async def sleep(self, delay: float, queues: Mapping[Hashable, Sequence[Armable]],
-                    mode: WakeMode, fallback: float) -> None:  # fmt: skip
-        """Sleep ``delay`` (or ``fallback``, when every head has a bell armed),
-        or until a bell rings. A cancellation point."""
-        covered = bool(queues)
-        for key, queue in queues.items():
-            if queue:
-                head = queue[0]
-                self.arm(head, key, mode)
-                covered = covered and head.bell is BellState.ARMED
-        if covered:
-            delay = max(delay, fallback)
+                    mode: WakeMode, cap: float, fallback: float) -> None:  # fmt: skip
+        """Sleep ``delay``, or until a bell rings. A cancellation point.
+
+        While passes keep finding completions (``delay`` below the policy's
+        ``cap``), polling is cheaper than a bell per completion and as prompt;
+        once the poller has backed off to ``cap``, every stream's oldest pending
+        event gets a bell and the poller sleeps ``fallback`` instead."""
+        if delay >= cap:
+            covered = bool(queues)
+            for key, queue in queues.items():
+                if queue:
+                    head = queue[0]
+                    self.arm(head, key, mode)
+                    covered = covered and head.bell is BellState.ARMED
+            if covered:
+                delay = max(delay, fallback)
         if self._rung:
             self._rung = False
             await anyio.lowlevel.checkpoint()

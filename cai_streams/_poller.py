@@ -208,7 +208,8 @@ class _Poller:
     def _rang(self, fired: list[Fired]) -> None:
         """Bells fired (in the loop): each one's event is complete, and so is every
         event recorded before it on its stream. Wake their waiters now, without a
-        query or a pass, and arm the bell of the stream's next pending event."""
+        query; then a pass at once takes whatever else completed meanwhile, and
+        arms the bells of what is still pending."""
         for entry, key in fired:
             queue = self.queues.get(key)
             assert isinstance(entry, _Entry)
@@ -227,12 +228,9 @@ class _Poller:
                     counters.wakes += len(head.waiters)
                 if head is entry:
                     break
-            if queue:
-                self.bells.arm(queue[0], key, _policy.wake)
-            else:
+            if not queue:
                 del self.queues[key]
-        if not self.queues:
-            self.bells.wake_now()  # the poller task ends now, not at its next pass
+        self.bells.wake_now()
 
     def known_pending(self, mark: Mark | None) -> bool:
         """Whether an older event of the same stream is already known not to be
@@ -278,7 +276,10 @@ class _Poller:
                 if await self._pass() or self.new_waiter:
                     self.new_waiter = False
                     delays = iter(_policy.delays())
-                await self.bells.sleep(next(delays), self.queues, _policy.wake, _policy.fallback)
+                policy = _policy
+                await self.bells.sleep(
+                    next(delays), self.queues, policy.wake, policy.cap, policy.fallback
+                )
         finally:
             self._ended(generation)
 
