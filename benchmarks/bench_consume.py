@@ -203,17 +203,36 @@ def median_row(rows: Sequence[Row]) -> tuple[Row, dict[str, float]]:
     return Row(rows[0].method, rows[0].waiters, **med), spread
 
 
-def run(sizes: Sequence[int], repeats: int, methods: Sequence[str] = tuple(METHODS)) -> list[
-        tuple[Row, dict[str, float]]]:  # fmt: skip
-    """Every method at every size, ``repeats`` times each, interleaved."""
+#: event loops a run can use: anyio backend and its options
+LOOPS: dict[str, tuple[str, dict[str, Any]]] = {
+    "asyncio": ("asyncio", {}),
+    "uvloop": ("asyncio", {"use_uvloop": True}),
+    "trio": ("trio", {}),
+}
+
+
+def available_loops() -> list[str]:
+    """asyncio and trio, and uvloop when it is installed."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return ["asyncio", "trio"]
+    return list(LOOPS)
+
+
+def run(sizes: Sequence[int], repeats: int, methods: Sequence[str] = tuple(METHODS),
+        loop: str = "asyncio") -> list[tuple[Row, dict[str, float]]]:  # fmt: skip
+    """Every method at every size on ``loop``, ``repeats`` times each, interleaved."""
     cs.use_backend("sim")
     sim.device().jitter = 0.0
+    backend, options = LOOPS[loop]
     results = []
     for n in sizes:
         per_method: dict[str, list[Row]] = {m: [] for m in methods}
         for rep in range(repeats):
             for m in methods:
-                per_method[m].append(anyio.run(_one_run, m, n, rep))
+                row = anyio.run(_one_run, m, n, rep, backend=backend, backend_options=options)
+                per_method[m].append(row)
         results += [median_row(rows) for rows in per_method.values()]
     return results
 
