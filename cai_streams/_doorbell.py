@@ -1,28 +1,35 @@
 """The doorbell: the GPU wakes the poller, and no Python runs on a driver thread.
 
-When a waiter parks on an event, its poller arms a bell: on a private notifier
+A bell is armed for a stream's oldest pending event: on a private notifier
 stream (a *lane*) that first waits on the event, two host functions run libc's
 ``sem_post``, a C function already in the process: once on the lane's own
 semaphore (which counts, exactly, the bells fired on that lane) and once on the
 doorbell's semaphore. One daemon thread blocks in ``sem_timedwait`` on the
 latter with the GIL released (ctypes releases it), collects what fired, and
-asks each event loop whose bell fired to run a poller pass now
+hands each event loop its fired bells in one callback
 (``call_soon_threadsafe`` under asyncio and uvloop, the trio token's
-``run_sync_soon`` under trio). A producer's stream never waits behind a bell:
-only the lane does.
+``run_sync_soon`` under trio). A fired bell means its event is complete, so
+the poller wakes that event's waiters without a query, then makes one pass at
+once for whatever else completed. A producer's stream never waits behind a
+bell: only the lane does.
 
-The poller stays in charge: it still decides by querying what completed, and it
-still finds errors (a device that faulted runs no host function again), at the
-policy's ``fallback`` cadence while every pending stream has a bell armed, and
-at its normal cadence otherwise: a capturing stream (never armed), no POSIX
-semaphores here, every lane busy.
+The poller stays in charge. Bells are armed when a waiter parks on an idle
+stream and once the poller has backed off to its ``cap`` (while passes keep
+finding completions, polling is as prompt and cheaper); while every pending
+stream has one, the poller sleeps the policy's ``fallback`` between passes,
+and those passes still find errors (a device that faulted runs no host
+function again). A capturing stream never gets a bell, nor does anything when
+there are no POSIX semaphores here or every lane is busy: the poller's own
+cadence covers them.
 
 A lane serves one producer stream at a time, so the bells of one stream fire
 in record order and a slow stream never holds back another stream's bell.
 Bells that can never fire (their device faulted) are retired by a sweep
-(``stats()`` runs one, as does arming when no lane is free): a lane found idle
-retires its bells that did not fire; a lane whose device faulted is retired
-whole. ``armed == fired + retired`` once nothing is pending.
+(``stats()`` runs one; arming on a faulted device retires its lane too): a
+lane found idle retires its bells that did not fire; a lane whose device
+faulted is retired whole. ``armed == fired + retired`` once nothing is pending
+and a sweep has run. A bell that fires late is harmless: the poller takes its
+waiters only if they still wait, and a pass follows every ring.
 """
 
 from __future__ import annotations
