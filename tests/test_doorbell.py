@@ -11,14 +11,14 @@ import gc
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import anyio
 import numpy as np
 import pytest
 
 import cai_streams as cs
-from cai_streams import sim
+from cai_streams import _doorbell, sim
 
 from .device_ops import DeviceOps
 
@@ -216,6 +216,47 @@ def test_a_global_capture_in_another_thread_survives_the_doorbell() -> None:
     (graph,) = outcome
     assert isinstance(graph, int), graph
     backend.destroy_graph(graph)
+
+
+class _Entry:
+    """What the doorbell needs of a poller entry."""
+
+    def __init__(self, backend: cs.Backend, event: int) -> None:
+        self.backend = backend
+        self.event = event
+        self.bell = _doorbell.BellState.UNARMED
+
+
+def test_arming_and_firing_make_no_call_that_a_global_capture_forbids() -> None:
+    """Stricter than another thread's capture: this thread captures in global
+    mode, where its own potentially unsafe calls would invalidate the capture,
+    and arms a bell that fires meanwhile. The capture still ends valid."""
+    backend = cs.use_backend("sim")
+    producer, capturing = cs.Stream(), cs.Stream()
+    sim.launch(producer, lambda: None, duration=0.01)
+    event = producer.record()
+    fired = threading.Event()
+    got: list[object] = []
+
+    def call(callback: Callable[[], None]) -> None:
+        callback()  # on the doorbell's thread: what the loop would be handed
+
+    def handed() -> None:
+        got.extend(ring.fired)
+        fired.set()
+
+    ring = _doorbell.Ring(call, handed)
+    backend.begin_capture(capturing.handle, "global")
+    try:
+        sim.launch(capturing, lambda: None)
+        entry = _Entry(backend, event.handle)
+        state = _doorbell._doorbell.arm(entry, ("lone event", event.handle), ring)
+        assert state is _doorbell.BellState.ARMED
+        assert fired.wait(20)
+    finally:
+        graph = backend.end_capture(capturing.handle)  # raises if it was invalidated
+    backend.destroy_graph(graph)
+    assert got == [(entry, ("lone event", event.handle))]
 
 
 async def test_random_waiters_see_their_data_and_bells_balance() -> None:
