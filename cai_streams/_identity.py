@@ -156,11 +156,13 @@ class Lifetime:
     stream is destroyed, so closing a consumer's stream never loses it.
     """
 
-    __slots__ = ("_closing", "_listeners", "_lock", "closed", "generation", "key")
+    __slots__ = ("_closing", "_listeners", "_lock", "closed", "generation", "ident", "key")
 
     def __init__(self, key: tuple[int, int, int]) -> None:
         self.key = key
         self.generation = next(_generations)
+        #: its StreamId, made once (a handoff asks for it every time)
+        self.ident: StreamId | None = None
         self.closed = False
         self._closing = False
         self._lock = threading.Lock()
@@ -222,4 +224,9 @@ def stream_id_now(backend: Backend, handle: int, device: int | None = None) -> S
     if handle == LEGACY_DEFAULT_STREAM:
         return StreamId(backend, device, handle, 0, 0)
     lifetime = _owned.get((backend_serial(backend), device, handle))
-    return StreamId(backend, device, handle, 0 if lifetime is None else lifetime.generation, 0)
+    if lifetime is None:
+        return StreamId(backend, device, handle, 0, 0)
+    ident = lifetime.ident
+    if ident is None:
+        ident = lifetime.ident = StreamId(backend, device, handle, lifetime.generation, 0)
+    return ident
