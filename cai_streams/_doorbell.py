@@ -202,6 +202,8 @@ class _Doorbell:
         self.serving: dict[tuple[Backend, Hashable], _Lane] = {}
         #: semaphores of retired lanes: a late post must find live memory
         self.kept: list[_Semaphore] = []
+        #: backends that cannot launch host functions: the poller alone serves them
+        self.no_host_functions: set[Backend] = set()
 
     def available(self) -> bool:
         if self.sem is None and self.unavailable is None:
@@ -214,7 +216,9 @@ class _Doorbell:
 
     def arm(self, entry: Armable, key: Hashable, ring: Ring) -> BellState:
         backend, event = entry.backend, entry.event
-        if not self.available() or _capturing(backend, key):
+        if backend in self.no_host_functions or not self.available():
+            return BellState.REFUSED
+        if _capturing(backend, key):
             return BellState.REFUSED
         libc, sem = self.libc, self.sem
         assert libc is not None and sem is not None
@@ -232,6 +236,10 @@ class _Doorbell:
                 counters.armed += 1
                 backend.launch_host_func(lane.stream, libc.post_address, sem.address)
             except CudaError:  # a faulted device, say: the poller finds the error
+                self._retire_lane(lane)
+                return BellState.REFUSED
+            except OSError:  # the driver library has no cuLaunchHostFunc here
+                self.no_host_functions.add(backend)
                 self._retire_lane(lane)
                 return BellState.REFUSED
             self._start()

@@ -327,3 +327,25 @@ def test_poll_policy_rejects_a_bad_wake_mode_or_fallback(kwargs: dict[str, objec
 def test_low_latency_never_rings() -> None:
     assert cs.PollPolicy.low_latency().wake == "poll"
     assert cs.PollPolicy().wake == "auto"
+
+
+async def test_without_host_functions_the_poller_alone_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A driver without cuLaunchHostFunc (OSError): waits still complete, polled,
+    and no bell is armed again for that backend."""
+    backend = cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+
+    def missing(stream: int, fn: int, user_data: int) -> None:
+        raise OSError("no cuLaunchHostFunc")
+
+    monkeypatch.setattr(backend, "launch_host_func", missing)
+    before = cs.stats()["doorbells_armed"]
+    try:
+        for _ in range(2):
+            await _time_one_wait(0.005)
+        assert backend in _doorbell._doorbell.no_host_functions
+    finally:
+        _doorbell._doorbell.no_host_functions.discard(backend)
+    assert cs.stats()["doorbells_armed"] == before

@@ -235,9 +235,12 @@ class CudaBackend(Backend):
 
     def _host_func_launcher(self) -> Any:
         launch = self._launch_host_func
-        if launch is None:
+        if launch is None:  # OSError if the driver library or the symbol is missing
             driver = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
-            launch = driver.cuLaunchHostFunc
+            try:
+                launch = driver.cuLaunchHostFunc
+            except AttributeError as exc:
+                raise OSError(f"the CUDA driver has no cuLaunchHostFunc: {exc}") from exc
             launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             launch.restype = ctypes.c_int
             self._launch_host_func = launch
