@@ -112,8 +112,13 @@ def _consume_overhead(repeats: int, n: int) -> list[Result]:
 
 
 #: the methods measured under every event loop (blocking stalls any loop alike)
-OTHER_LOOP_METHODS = ("cai_streams", "cai_streams poller", "cai_streams low-latency",
-                      "to_thread", "poll 1 ms")  # fmt: skip
+OTHER_LOOP_METHODS = (
+    "cai_streams",
+    "cai_streams poller",
+    "cai_streams low-latency",
+    "to_thread",
+    "poll 1 ms",
+)
 
 
 def waiting(quick: bool) -> list[Result]:
@@ -124,8 +129,9 @@ def waiting(quick: bool) -> list[Result]:
     repeats = 1 if quick else 3
     results = []
     runs = [("asyncio", sizes, tuple(bench_consume.METHODS))]
-    other = (["cai_streams", "cai_streams poller", "to_thread"] if quick
-             else list(OTHER_LOOP_METHODS))  # fmt: skip
+    other = (
+        ["cai_streams", "cai_streams poller", "to_thread"] if quick else list(OTHER_LOOP_METHODS)
+    )
     for loop in bench_consume.available_loops()[1:]:
         runs.append((loop, [1, 100] if quick else sizes, tuple(other)))
     for loop, loop_sizes, methods in runs:

@@ -138,8 +138,9 @@ class Ring:
 
     __slots__ = ("_call", "_callback", "fired", "pending")
 
-    def __init__(self, call: Callable[[Callable[[], None]], object],
-                 callback: Callable[[], None]) -> None:  # fmt: skip
+    def __init__(
+        self, call: Callable[[Callable[[], None]], object], callback: Callable[[], None]
+    ) -> None:
         self._call = call
         self._callback = callback
         self.fired: deque[Fired] = deque()  # appended by the thread, drained by the loop
@@ -283,8 +284,9 @@ class _Doorbell:
         try:
             lane.backend.destroy_stream(lane.stream)
         except CudaError as exc:
-            warnings.warn(f"leaked notifier stream {lane.stream:#x}: {exc}", CudaWarning,
-                          stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"leaked notifier stream {lane.stream:#x}: {exc}", CudaWarning, stacklevel=2
+            )
 
     def _fired(self, lane: _Lane, rings: dict[Ring, list[Fired]]) -> None:
         """Lock held: pop the bells of ``lane`` that fired since the last look."""
@@ -303,8 +305,9 @@ class _Doorbell:
     def _start(self) -> None:
         """Lock held."""
         if self.thread is None:
-            self.thread = threading.Thread(target=self._run, name="cai_streams doorbell",
-                                           daemon=True)  # fmt: skip
+            self.thread = threading.Thread(
+                target=self._run, name="cai_streams doorbell", daemon=True
+            )
             self.thread.start()
 
     def _run(self) -> None:
@@ -339,8 +342,9 @@ class _Doorbell:
         """Account for bells that can no longer fire. Makes one stream query per
         lane with bells armed; never blocks."""
         with self.lock:
-            busy = [(lane, lane.appended) for pool in self.lanes.values() for lane in pool
-                    if lane.bells]  # fmt: skip
+            busy = [
+                (lane, lane.appended) for pool in self.lanes.values() for lane in pool if lane.bells
+            ]
         rings: dict[Ring, list[Fired]] = {}
         for lane, cutoff in busy:
             try:
@@ -452,8 +456,14 @@ class PollerBells:
         if entry.bell is BellState.REFUSED:
             self.wake_now()  # the poller's own cadence takes over
 
-    async def sleep(self, delay: float, queues: Mapping[Hashable, Sequence[Armable]],
-                    mode: WakeMode, cap: float, fallback: float) -> None:  # fmt: skip
+    async def sleep(
+        self,
+        delay: float,
+        queues: Mapping[Hashable, Sequence[Armable]],
+        mode: WakeMode,
+        cap: float,
+        fallback: float,
+    ) -> None:
         """Sleep ``delay``, or until a bell rings. A cancellation point.
 
         While passes keep finding completions (``delay`` below the policy's

@@ -99,8 +99,10 @@ async def test_cancelled_and_timed_out_waiters_leak_no_bell(ops: DeviceOps) -> N
     before = _settled()
     s = cs.Stream()
     latch = ops.latch(s)
-    producers = [cs.read_interface(ops.array(np.zeros(4, "float32"))).with_stream(s.handle)
-                 for _ in range(20)]  # fmt: skip
+    producers = [
+        cs.read_interface(ops.array(np.zeros(4, "float32"))).with_stream(s.handle)
+        for _ in range(20)
+    ]
     timed_out: list[int] = []
     try:
         async with anyio.create_task_group() as tg:
@@ -270,8 +272,14 @@ async def test_random_waiters_see_their_data_and_bells_balance() -> None:
     streams = [cs.Stream() for _ in range(4)]
     n = 80
     arrays = [sim.empty(1, "int32") for _ in range(n)]
-    plan = [(rng.choice(streams), rng.uniform(0, 0.01), rng.choice(["wait", "wait", "cancel",
-             "timeout"])) for _ in range(n)]  # fmt: skip
+    plan = [
+        (
+            rng.choice(streams),
+            rng.uniform(0, 0.01),
+            rng.choice(["wait", "wait", "cancel", "timeout"]),
+        )
+        for _ in range(n)
+    ]
     tracked = []
     for arr, (s, duration, _) in zip(arrays, plan, strict=True):
         t = cs.track(arr)
@@ -317,8 +325,9 @@ def test_uvloop_is_woken_by_the_bell() -> None:
     assert rung < polled / 2, (rung, polled)
 
 
-@pytest.mark.parametrize("kwargs", [{"wake": "bell"}, {"wake": None}, {"fallback": -1.0},
-                                    {"fallback": float("inf")}])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs", [{"wake": "bell"}, {"wake": None}, {"fallback": -1.0}, {"fallback": float("inf")}]
+)
 def test_poll_policy_rejects_a_bad_wake_mode_or_fallback(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         cs.PollPolicy(**kwargs)  # type: ignore[arg-type]

@@ -37,8 +37,11 @@ def valid(draw: st.DrawFn) -> dict[str, Any]:
     shape = tuple(draw(st.lists(st.integers(1, 6), min_size=0, max_size=4)))
     typestr = draw(st.sampled_from(TYPESTRS))
     itemsize = np.dtype(typestr).itemsize
-    strides = draw(st.one_of(st.none(), st.tuples(*[st.integers(-64, 64).map(
-        lambda s: s * itemsize) for _ in shape])))  # fmt: skip
+    strides = draw(
+        st.one_of(
+            st.none(), st.tuples(*[st.integers(-64, 64).map(lambda s: s * itemsize) for _ in shape])
+        )
+    )
     cai: dict[str, Any] = {
         "shape": shape,
         "typestr": typestr,
@@ -52,15 +55,37 @@ def valid(draw: st.DrawFn) -> dict[str, Any]:
 
 
 CORRUPTIONS: list[tuple[str, Any]] = [
-    ("shape", "float"), ("shape", "bool"), ("shape", "numpy int"), ("shape", "list"),
-    ("shape", "negative"), ("data", (True, False)), ("data", (0, False)),
-    ("data", (PTR, 1)), ("data", (PTR, np.bool_(True))), ("data", [PTR, False]),
-    ("data", (-8, False)), ("data", (2**64 - 4, False)), ("stream", 0), ("stream", -1),
-    ("stream", 1.0), ("stream", True), ("stream", 2**64), ("version", 4), ("version", True),
-    ("version", "3"), ("version", 1), ("typestr", "f4"), ("typestr", b"<f4"),
-    ("typestr", "<f3"), ("strides", "float"), ("strides", "short"), ("mask", "self"),
-    ("descr", [("", "<f4")]), ("shape", "missing"), ("data", "missing"),
-]  # fmt: skip
+    ("shape", "float"),
+    ("shape", "bool"),
+    ("shape", "numpy int"),
+    ("shape", "list"),
+    ("shape", "negative"),
+    ("data", (True, False)),
+    ("data", (0, False)),
+    ("data", (PTR, 1)),
+    ("data", (PTR, np.bool_(True))),
+    ("data", [PTR, False]),
+    ("data", (-8, False)),
+    ("data", (2**64 - 4, False)),
+    ("stream", 0),
+    ("stream", -1),
+    ("stream", 1.0),
+    ("stream", True),
+    ("stream", 2**64),
+    ("version", 4),
+    ("version", True),
+    ("version", "3"),
+    ("version", 1),
+    ("typestr", "f4"),
+    ("typestr", b"<f4"),
+    ("typestr", "<f3"),
+    ("strides", "float"),
+    ("strides", "short"),
+    ("mask", "self"),
+    ("descr", [("", "<f4")]),
+    ("shape", "missing"),
+    ("data", "missing"),
+]
 
 
 def _corrupt(cai: dict[str, Any], field: str, how: Any, owner: object) -> dict[str, Any]:
