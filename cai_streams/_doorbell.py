@@ -53,7 +53,15 @@ from ._backend import PER_THREAD_DEFAULT_STREAM, Backend
 from ._errors import CudaError, CudaWarning
 from ._identity import StreamId, thread_serial
 
-__all__ = ["AUTO_BACKENDS", "WAKE_MODES", "BellState", "PollerBells", "WakeMode", "counters"]
+__all__ = [
+    "AUTO_BACKENDS",
+    "AUTO_LOOPS",
+    "WAKE_MODES",
+    "BellState",
+    "PollerBells",
+    "WakeMode",
+    "counters",
+]
 
 #: how a waiter is woken: by a bell where one can be armed ("doorbell"), by
 #: polling only ("poll"), or whichever is best on the backend in use ("auto")
@@ -397,11 +405,18 @@ def stats() -> dict[str, int]:
     }
 
 
-def wants_doorbell(mode: WakeMode, backend: Backend) -> bool:
-    """Whether the policy's wake mode rings bells on ``backend`` (if it can)."""
+#: event loops where "auto" rings bells. Under trio the benchmarks on the
+#: simulator showed a worse p99 wake with bells than polling alone at 100 and
+#: 1,000 waiters (docs/performance.md), so "auto" polls there
+AUTO_LOOPS: Final = frozenset({"asyncio"})
+
+
+def wants_doorbell(mode: WakeMode, backend: Backend, library: str) -> bool:
+    """Whether the policy's wake mode rings bells on ``backend`` under the
+    async ``library`` (sniffio's name), where it can."""
     if mode == "poll":
         return False
-    return mode == "doorbell" or backend.name in AUTO_BACKENDS
+    return mode == "doorbell" or (backend.name in AUTO_BACKENDS and library in AUTO_LOOPS)
 
 
 class PollerBells:
@@ -412,6 +427,7 @@ class PollerBells:
         #: the poller's handler of fired bells (called in the loop)
         self._poller_rang = rang
         self._ring: Ring | None = None
+        self._library = ""  # the event loop's async library, known once bound
         self._wake: anyio.Event | None = None
         self._rung = False
 
@@ -419,7 +435,8 @@ class PollerBells:
         ring = self._ring
         if ring is None:
             call: Callable[[Callable[[], None]], object]
-            if sniffio.current_async_library() == "trio":
+            self._library = sniffio.current_async_library()
+            if self._library == "trio":
                 import trio
 
                 call = trio.lowlevel.current_trio_token().run_sync_soon
@@ -450,9 +467,12 @@ class PollerBells:
 
     def arm(self, entry: Armable, key: Hashable, mode: WakeMode) -> None:
         """Arm a bell for ``entry`` (a queue's head) if the policy wants one."""
-        if entry.bell is not BellState.UNARMED or not wants_doorbell(mode, entry.backend):
+        if entry.bell is not BellState.UNARMED:
             return
-        entry.bell = _doorbell.arm(entry, key, self._bound())
+        ring = self._bound()
+        if not wants_doorbell(mode, entry.backend, self._library):
+            return
+        entry.bell = _doorbell.arm(entry, key, ring)
         if entry.bell is BellState.REFUSED:
             self.wake_now()  # the poller's own cadence takes over
 

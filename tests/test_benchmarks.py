@@ -57,7 +57,7 @@ def test_quick_run_reports_every_peer(tmp_path: Path) -> None:
             assert f"| {benchmark} |" in out.stdout and f"| {peer} |" in out.stdout
     sizes = {r["case"] for r in report["results"] if r["benchmark"] == "waiting"}
     assert {"1 waiters", "100 waiters", "1000 waiters", "10000 waiters"} <= sizes
-    assert {"1 waiters, trio", "100 waiters, trio"} <= sizes  # the doorbell on trio too
+    assert {"1 waiters, trio", "100 waiters, trio"} <= sizes  # other event loops too
     for r in report["results"]:
         for figure in r["figures"].values():
             assert set(figure) == {"median", "spread"}

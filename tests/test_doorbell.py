@@ -96,6 +96,7 @@ async def test_a_stream_that_completes_first_is_not_held_behind_a_slow_one() -> 
 async def test_cancelled_and_timed_out_waiters_leak_no_bell(ops: DeviceOps) -> None:
     if ops.name != "sim":
         pytest.skip("the sim's counters; the GPU tier runs the same code")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
     before = _settled()
     s = cs.Stream()
     latch = ops.latch(s)
@@ -358,3 +359,13 @@ async def test_without_host_functions_the_poller_alone_serves(
     finally:
         _doorbell._doorbell.no_host_functions.discard(backend)
     assert cs.stats()["doorbells_armed"] == before
+
+
+async def test_auto_rings_under_asyncio_and_polls_under_trio(anyio_backend: str) -> None:
+    """The default follows the benchmarks: bells under asyncio, polling under trio."""
+    cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy())
+    before = cs.stats()["doorbells_armed"]
+    await _time_one_wait(0.005)
+    armed = cs.stats()["doorbells_armed"] - before
+    assert armed == (1 if anyio_backend == "asyncio" else 0)
