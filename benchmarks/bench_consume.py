@@ -5,8 +5,11 @@ kernels (random durations) run on up to 16 streams, about 0.4 s of work per
 stream whatever N. Every method runs in the same process on the same backend:
 
 - ``cai_streams``: ``await event.wait()`` through the shared poller (what
-  ``await cs.consume(arr)`` does), default policy: on this backend, the
-  poller woken by a doorbell (a ``sem_post`` host function on a notifier stream);
+  ``await cs.consume(arr)`` does), default policy: under asyncio and uvloop,
+  the poller woken by a doorbell (a ``sem_post`` host function on a notifier
+  stream); under trio, polling only;
+- ``cai_streams doorbell``: the same with ``PollPolicy(wake="doorbell")`` (run
+  under the other event loops, where it is not the default's twin);
 - ``cai_streams poller``: the same with ``PollPolicy(wake="poll")``: polling
   only, the default before the doorbell;
 - ``cai_streams low-latency``: the same with ``PollPolicy.low_latency()``;
@@ -65,6 +68,7 @@ async def _blocking(event: cs.Event, stream: cs.Stream) -> None:
 
 METHODS: dict[str, tuple[Waiter, cs.PollPolicy | None]] = {
     "cai_streams": (_shared, cs.PollPolicy()),
+    "cai_streams doorbell": (_shared, cs.PollPolicy(wake="doorbell")),
     "cai_streams poller": (_shared, cs.PollPolicy(wake="poll")),
     "cai_streams low-latency": (_shared, cs.PollPolicy.low_latency()),
     "to_thread": (_to_thread, None),

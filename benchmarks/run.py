@@ -114,6 +114,7 @@ def _consume_overhead(repeats: int, n: int) -> list[Result]:
 #: the methods measured under every event loop (blocking stalls any loop alike)
 OTHER_LOOP_METHODS = (
     "cai_streams",
+    "cai_streams doorbell",
     "cai_streams poller",
     "cai_streams low-latency",
     "to_thread",
@@ -124,14 +125,15 @@ OTHER_LOOP_METHODS = (
 def waiting(quick: bool) -> list[Result]:
     """asyncio: every method at 1 to 10,000 waiters. uvloop (when installed) and
     trio: the methods that do not stall the loop, at the same sizes (``--quick``:
-    the doorbell, the poller and to_thread at 1 and 100 waiters)."""
+    the default, the doorbell, the poller and to_thread at 1 and 100 waiters)."""
     sizes = [1, 100, 1000, 10000]
     repeats = 1 if quick else 3
     results = []
-    runs = [("asyncio", sizes, tuple(bench_consume.METHODS))]
-    other = (
-        ["cai_streams", "cai_streams poller", "to_thread"] if quick else list(OTHER_LOOP_METHODS)
-    )
+    # under asyncio the default policy is the doorbell: no twin row there
+    twin = "cai_streams doorbell"
+    runs = [("asyncio", sizes, tuple(m for m in bench_consume.METHODS if m != twin))]
+    quick_methods = ["cai_streams", twin, "cai_streams poller", "to_thread"]
+    other = quick_methods if quick else list(OTHER_LOOP_METHODS)
     for loop in bench_consume.available_loops()[1:]:
         runs.append((loop, [1, 100] if quick else sizes, tuple(other)))
     for loop, loop_sizes, methods in runs:

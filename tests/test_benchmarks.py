@@ -25,6 +25,7 @@ PEERS = {
     },
     "waiting": {
         "cai_streams",
+        "cai_streams doorbell",
         "cai_streams poller",
         "cai_streams low-latency",
         "to_thread",
