@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import cuda_handoff, cuda_pipeline, cuda_run, cuda_waiting
+from benchmarks import bench_consume, cuda_handoff, cuda_pipeline, cuda_run, cuda_waiting
 from benchmarks.report import note_row
 from cai_streams._backend import _backend_class
 
@@ -23,15 +23,7 @@ PEERS = {
         "floor: hand-written record + wait",
         "floor: read the interface + one query",
     },
-    "waiting": {
-        "cai_streams",
-        "cai_streams doorbell",
-        "cai_streams poller",
-        "cai_streams low-latency",
-        "to_thread",
-        "poll 1 ms",
-        "blocking",
-    },
+    "waiting": set(bench_consume.METHODS),  # every method, the doorbell and the poller too
     "pipeline": {
         "cai_streams (await consume)",
         "blocking host wait",
