@@ -5,7 +5,13 @@ kernels (random durations) run on up to 16 streams, about 0.4 s of work per
 stream whatever N. Every method runs in the same process on the same backend:
 
 - ``cai_streams``: ``await event.wait()`` through the shared poller (what
-  ``await cs.consume(arr)`` does), default policy;
+  ``await cs.consume(arr)`` does), default policy: under asyncio and uvloop,
+  the poller woken by a doorbell (a ``sem_post`` host function on a notifier
+  stream); under trio, polling only;
+- ``cai_streams doorbell``: the same with ``PollPolicy(wake="doorbell")`` (run
+  under the other event loops, where it is not the default's twin);
+- ``cai_streams poller``: the same with ``PollPolicy(wake="poll")``: polling
+  only, the default before the doorbell;
 - ``cai_streams low-latency``: the same with ``PollPolicy.low_latency()``;
 - ``to_thread``: ``await anyio.to_thread.run_sync(event.synchronize)``;
 - ``poll 1 ms``: per waiter, ``while not event.is_done: await anyio.sleep(0.001)``;
@@ -62,6 +68,8 @@ async def _blocking(event: cs.Event, stream: cs.Stream) -> None:
 
 METHODS: dict[str, tuple[Waiter, cs.PollPolicy | None]] = {
     "cai_streams": (_shared, cs.PollPolicy()),
+    "cai_streams doorbell": (_shared, cs.PollPolicy(wake="doorbell")),
+    "cai_streams poller": (_shared, cs.PollPolicy(wake="poll")),
     "cai_streams low-latency": (_shared, cs.PollPolicy.low_latency()),
     "to_thread": (_to_thread, None),
     "poll 1 ms": (_poll_1ms, None),
@@ -199,17 +207,36 @@ def median_row(rows: Sequence[Row]) -> tuple[Row, dict[str, float]]:
     return Row(rows[0].method, rows[0].waiters, **med), spread
 
 
-def run(sizes: Sequence[int], repeats: int, methods: Sequence[str] = tuple(METHODS)) -> list[
-        tuple[Row, dict[str, float]]]:  # fmt: skip
-    """Every method at every size, ``repeats`` times each, interleaved."""
+#: event loops a run can use: anyio backend and its options
+LOOPS: dict[str, tuple[str, dict[str, Any]]] = {
+    "asyncio": ("asyncio", {}),
+    "uvloop": ("asyncio", {"use_uvloop": True}),
+    "trio": ("trio", {}),
+}
+
+
+def available_loops() -> list[str]:
+    """asyncio and trio, and uvloop when it is installed."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return ["asyncio", "trio"]
+    return list(LOOPS)
+
+
+def run(sizes: Sequence[int], repeats: int, methods: Sequence[str] = tuple(METHODS),
+        loop: str = "asyncio") -> list[tuple[Row, dict[str, float]]]:  # fmt: skip
+    """Every method at every size on ``loop``, ``repeats`` times each, interleaved."""
     cs.use_backend("sim")
     sim.device().jitter = 0.0
+    backend, options = LOOPS[loop]
     results = []
     for n in sizes:
         per_method: dict[str, list[Row]] = {m: [] for m in methods}
         for rep in range(repeats):
             for m in methods:
-                per_method[m].append(anyio.run(_one_run, m, n, rep))
+                row = anyio.run(_one_run, m, n, rep, backend=backend, backend_options=options)
+                per_method[m].append(row)
         results += [median_row(rows) for rows in per_method.values()]
     return results
 

@@ -112,8 +112,12 @@ def plot(results: Sequence[Result], path: Path) -> bool:
         print("no plot: matplotlib is not installed (pip install 'cai-streams[plot]')")
         return False
     keys = ("wake_p99_ms", "lag_p99_ms")
-    rows = [
-        r for r in results if r["benchmark"] == "waiting" and all(k in r["figures"] for k in keys)
+    rows = [  # asyncio's rows ("N waiters"); other loops' cases name their loop
+        r
+        for r in results
+        if r["benchmark"] == "waiting"
+        and "," not in r["case"]
+        and all(k in r["figures"] for k in keys)
     ]
     fig_, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for method in dict.fromkeys(r["method"] for r in rows):

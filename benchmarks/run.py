@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -68,14 +69,23 @@ def _consume_overhead(repeats: int, n: int) -> list[Result]:
     event = backend.create_event()
 
     def per_call(fn: Callable[[], object]) -> float:
-        start = time.perf_counter()
+        # this thread's CPU time: the 2-core machine's other load does not count
+        start = time.thread_time()
         for _ in range(n):
             fn()
-        return (time.perf_counter() - start) / n * 1e6
+        return (time.thread_time() - start) / n * 1e6
 
     def hand_written() -> None:
         backend.record(event, producer_stream.handle)
         backend.stream_wait_event(mine.handle, event)
+
+    idle_stream = cs.Stream()
+    idle = sim.empty(1024)
+    idle.stream = idle_stream.handle  # nothing is ever enqueued on it
+
+    def floor_host(obj: Any) -> None:
+        obj.__cuda_array_interface__  # noqa: B018 - the read is what is measured
+        backend.query_stream(idle_stream.handle)
 
     cases: dict[str, dict[str, Callable[[], object]]] = {
         "consume, enqueue mode": {
@@ -84,7 +94,11 @@ def _consume_overhead(repeats: int, n: int) -> list[Result]:
         },
         "consume, host mode, work complete": {
             "cai_streams": lambda: cs.consume_blocking(tracked),
-            "floor: read the interface": lambda: arr.__cuda_array_interface__,
+            "floor: read the interface + one query": lambda: floor_host(arr),
+        },
+        "consume, host mode, untracked, work complete": {
+            "cai_streams": lambda: cs.consume_blocking(idle),
+            "floor: read the interface + one query": lambda: floor_host(idle),
         },
     }
     results = []
@@ -97,15 +111,40 @@ def _consume_overhead(repeats: int, n: int) -> list[Result]:
     return results
 
 
+#: the methods measured under every event loop (blocking stalls any loop alike)
+OTHER_LOOP_METHODS = (
+    "cai_streams",
+    "cai_streams doorbell",
+    "cai_streams poller",
+    "cai_streams low-latency",
+    "to_thread",
+    "poll 1 ms",
+)
+
+
 def waiting(quick: bool) -> list[Result]:
+    """asyncio: every method at 1 to 10,000 waiters. uvloop (when installed) and
+    trio: the methods that do not stall the loop, at the same sizes (``--quick``:
+    the default, the doorbell, the poller and to_thread at 1 and 100 waiters)."""
     sizes = [1, 100, 1000, 10000]
+    repeats = 1 if quick else 3
     results = []
-    for row, spread in bench_consume.run(sizes, 1 if quick else 3):
-        figures = {k: v for k, v in vars(row).items() if k not in ("method", "waiters")}
-        results.append({
-            "benchmark": "waiting", "case": f"{row.waiters} waiters", "method": row.method,
-            "figures": {k: {"median": v, "spread": spread[k]} for k, v in figures.items()},
-        })  # fmt: skip
+    # under asyncio the default policy is the doorbell: no twin row there
+    twin = "cai_streams doorbell"
+    runs = [("asyncio", sizes, tuple(m for m in bench_consume.METHODS if m != twin))]
+    quick_methods = ["cai_streams", twin, "cai_streams poller", "to_thread"]
+    other = quick_methods if quick else list(OTHER_LOOP_METHODS)
+    for loop in bench_consume.available_loops()[1:]:
+        runs.append((loop, [1, 100] if quick else sizes, tuple(other)))
+    for loop, loop_sizes, methods in runs:
+        suffix = "" if loop == "asyncio" else f", {loop}"
+        for row, spread in bench_consume.run(loop_sizes, repeats, methods, loop):
+            figures = {k: v for k, v in vars(row).items() if k not in ("method", "waiters")}
+            results.append({
+                "benchmark": "waiting", "case": f"{row.waiters} waiters{suffix}",
+                "method": row.method,
+                "figures": {k: {"median": v, "spread": spread[k]} for k, v in figures.items()},
+            })  # fmt: skip
     return results
 
 

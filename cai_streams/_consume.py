@@ -514,9 +514,10 @@ def consume_blocking(
         wait_block_sync(blocked.block, me, deadline, "consume_blocking()")
     complete = False
     try:
-        events = [e for e, _ in handoff.events]
-        left = None if timeout is None else max(0.0, deadline - time.monotonic())
-        wait_blocking(handoff.sched.backend, events, timeout=left, keepalive=obj)
+        if handoff.events:  # complete work (the common case) has nothing to wait for
+            events = [e for e, _ in handoff.events]
+            left = None if timeout is None else max(0.0, deadline - time.monotonic())
+            wait_blocking(handoff.sched.backend, events, timeout=left, keepalive=obj)
         complete = True
     finally:
         handoff.finish(complete=complete)

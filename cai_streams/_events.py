@@ -73,7 +73,8 @@ class EventPool:
 
     def acquire(self) -> int:
         with self._lock:
-            self._reclaim(limit=4)
+            if not self._free:  # queries only when there is nothing to hand out
+                self._reclaim(limit=4)
             if self._free:
                 self.acquired += 1
                 return self._free.pop()

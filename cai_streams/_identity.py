@@ -156,12 +156,23 @@ class Lifetime:
     stream is destroyed, so closing a consumer's stream never loses it.
     """
 
-    __slots__ = ("_closing", "_listeners", "_lock", "closed", "device", "generation", "key")
+    __slots__ = (
+        "_closing",
+        "_listeners",
+        "_lock",
+        "closed",
+        "device",
+        "generation",
+        "ident",
+        "key",
+    )
 
     def __init__(self, key: tuple[int, int], device: int) -> None:
         self.key = key
         self.device = device
         self.generation = next(_generations)
+        #: its StreamId, made once (a handoff asks for it every time)
+        self.ident: StreamId | None = None
         self.closed = False
         self._closing = False
         self._lock = threading.Lock()
@@ -223,6 +234,9 @@ def stream_id_now(backend: Backend, handle: int) -> StreamId:
     if handle == LEGACY_DEFAULT_STREAM:
         return StreamId(backend, backend.current_device(), handle, 0, 0)
     lifetime = _owned.get((backend_serial(backend), handle))
-    if lifetime is not None:
-        return StreamId(backend, lifetime.device, handle, lifetime.generation, 0)
-    return StreamId(backend, backend.stream_device(handle), handle, 0, 0)
+    if lifetime is None:
+        return StreamId(backend, backend.stream_device(handle), handle, 0, 0)
+    ident = lifetime.ident
+    if ident is None:
+        ident = lifetime.ident = StreamId(backend, lifetime.device, handle, lifetime.generation, 0)
+    return ident

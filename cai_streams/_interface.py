@@ -383,11 +383,78 @@ def parse(obj: object) -> ArrayView:
     return _parse(obj, ())
 
 
+#: validated layouts of the common shape: (shape, typestr, strides as given) ->
+#: (shape, strides, dtype, size, nbytes, lowest and highest byte offset)
+_Layout = tuple[tuple[int, ...], tuple[int, ...], "np.dtype[Any]", int, int, int, int]
+_layouts: dict[tuple[Any, ...], _Layout] = {}
+
+
+def _exact_ints(values: object) -> bool:
+    return type(values) is tuple and all(type(v) is int for v in values)
+
+
+def _remember(
+    cai: Mapping[str, Any],
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: np.dtype[Any],
+    size: int,
+) -> None:
+    """After full validation: cache a layout the fast path may take (exact ints only)."""
+    raw_shape, raw_strides, typestr = cai["shape"], cai.get("strides"), cai["typestr"]
+    if size == 0 or len(_layouts) >= 1024 or type(typestr) is not str:
+        return
+    if not _exact_ints(raw_shape) or not (raw_strides is None or _exact_ints(raw_strides)):
+        return
+    lo, hi = extent(0, shape, strides, dtype.itemsize)
+    nbytes = size * dtype.itemsize
+    _layouts[(raw_shape, typestr, raw_strides)] = (shape, strides, dtype, size, nbytes, lo, hi)
+
+
+def _parse_common(obj: object, cai: Any) -> ArrayView | None:
+    """The fast path: a dict of version 2 or 3 with exact int and bool values,
+    no mask, no descr, and a layout that full validation already accepted.
+    None sends everything else through full validation."""
+    if type(cai) is not dict or "mask" in cai or "descr" in cai:
+        return None
+    version = cai.get("version")
+    data = cai.get("data")
+    if type(version) is not int or not 2 <= version <= _LATEST:
+        return None
+    if type(data) is not tuple or len(data) != 2:
+        return None
+    ptr, readonly = data
+    if type(ptr) is not int or ptr <= 0 or type(readonly) is not bool:
+        return None
+    stream = cai.get("stream") if version == _LATEST else None
+    if stream is not None and (type(stream) is not int or not 0 < stream < _ADDRESS_LIMIT):
+        return None
+    # exact types: 4.0 and True hash as 4 and 1 do, and only full validation refuses them
+    shape, typestr, strides = cai.get("shape"), cai.get("typestr"), cai.get("strides")
+    if not _exact_ints(shape) or type(typestr) is not str:
+        return None
+    if strides is not None and not _exact_ints(strides):
+        return None
+    layout = _layouts.get((shape, typestr, strides))
+    if layout is None:
+        return None
+    shape, strides, dtype, size, nbytes, lo, hi = layout
+    if ptr + lo < 0 or ptr + hi > _ADDRESS_LIMIT:
+        return None
+    return _make(
+        ptr, shape, strides, dtype, typestr, readonly, size, nbytes, version, None, stream, obj
+    )
+
+
 def _parse(obj: object, masking: tuple[int, ...]) -> ArrayView:
     """``masking``: the ids of the arrays whose mask this is (a cycle is refused)."""
     if isinstance(obj, ArrayView):
         return obj
     cai = _read(obj)
+    if not masking:
+        view = _parse_common(obj, cai)
+        if view is not None:
+            return view
     if not isinstance(cai, Mapping):
         if hasattr(cai, "keys") and hasattr(cai, "__getitem__"):
             cai = {key: cai[key] for key in cai.keys()}
@@ -491,6 +558,8 @@ def _parse(obj: object, masking: tuple[int, ...]) -> ArrayView:
                     "mask", raw_mask, f"a mask of the array's shape {shape}, not {mask.shape}"
                 )
 
+    if mask is None and cai.get("descr") is None and 2 <= version:
+        _remember(cai, shape, strides, dtype, size)
     return _make(
         ptr,
         shape,

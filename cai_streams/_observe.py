@@ -41,6 +41,7 @@ __all__ = [
     "host_access",
     "released",
     "remove",
+    "saw_complete",
     "stream_access",
     "stream_ordered",
 ]
@@ -247,6 +248,13 @@ def remove(observer: Observer) -> None:
                 for name in names:
                     backend.__dict__.pop(name, None)
             _wrapped.clear()
+
+
+def saw_complete(backend: Backend, event: int) -> None:
+    """The calling thread learnt, without a query, that ``event`` is complete
+    (its doorbell rang): tell the observers as a library query would have."""
+    for o in _observers:
+        o.completed(backend, event, False)
 
 
 # -- the backend calls that order anything: one wrapper each ---------------------

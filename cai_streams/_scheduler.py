@@ -17,6 +17,7 @@ from collections import deque
 from . import _capture_guard, _observe
 from ._access import Counters
 from ._backend import Backend, current_backend
+from ._doorbell import stats as doorbell_stats
 from ._errors import CudaError
 from ._events import pool_for, pools_of, record
 from ._hold_table import table as holds
@@ -195,10 +196,15 @@ def stats() -> dict[str, int]:
     consumers), ``waits_elided`` (pending work found complete), ``exports``,
     ``tracked`` (buffers with tracked state); and, for the shared poller of
     every event loop, ``poll_passes``, ``poll_queries`` (event queries made)
-    and ``poll_wakes`` (waiters woken); and, for the stream-ordered holds of
+    and ``poll_wakes`` (waiters woken); for the stream-ordered holds of
     every device (``cs.hold``, views handed to a stream), ``holds`` (in
     flight), ``hold_bytes`` (bytes their owners say they have), ``holds_made``
-    and ``holds_released``. Does not block: completed holds are released first.
+    and ``holds_released``; for the doorbell (process-wide),
+    ``doorbells_armed``, ``doorbells_fired``, ``doorbells_retired`` (never to
+    fire: their device faulted) and ``doorbell_lanes`` (notifier streams):
+    once nothing is pending, armed == fired + retired. Does not block:
+    completed holds are released first (it makes one stream query per
+    notifier stream with a bell armed).
     """
     holds.sweep()
     backend = current_backend()
@@ -209,6 +215,7 @@ def stats() -> dict[str, int]:
     for pool in pools:
         pool.reclaim()
     return {
+        **doorbell_stats(),
         "poll_passes": poll_counters.passes,
         "poll_queries": poll_counters.queries,
         "poll_wakes": poll_counters.wakes,

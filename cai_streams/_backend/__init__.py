@@ -158,6 +158,16 @@ class Backend(ABC):
         belong to another device. Only enqueues.
         """
 
+    @abstractmethod
+    def launch_host_func(self, stream: int, fn: int, user_data: int) -> None:
+        """Enqueue a call of the C function at address ``fn`` with ``user_data``
+        on ``stream`` (cudaLaunchHostFunc): it runs on a driver thread once the
+        work enqueued before it is complete, and later work waits for it to
+        return. ``fn`` must be a ``void (*)(void *)`` that runs no Python and
+        never calls CUDA: the library passes libc's ``sem_post``. It never runs
+        after the device has faulted. Only enqueues.
+        """
+
     # -- graph capture ---------------------------------------------------------------
 
     @abstractmethod

@@ -10,6 +10,8 @@ every result goes through :func:`check`, the one place a result becomes
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 from typing import Any, Final
 
@@ -91,6 +93,7 @@ class CudaBackend(Backend):
     def __init__(self) -> None:
         self._rt = _rt()
         rt = self._rt
+        self._launch_host_func: Any = None  # cuLaunchHostFunc, loaded on first use
         self._stream_t = rt.cudaStream_t
         self._event_t = rt.cudaEvent_t
         self._graph_t = rt.cudaGraph_t
@@ -218,6 +221,30 @@ class CudaBackend(Backend):
             self._rt.cudaStreamWaitEvent(self._stream_t(stream), self._event_t(event), 0),
             "cudaStreamWaitEvent",
         )
+
+    def launch_host_func(self, stream: int, fn: int, user_data: int) -> None:
+        # Through the driver's cuLaunchHostFunc, by ctypes, not cuda.bindings:
+        # the bindings' cudaLaunchHostFunc has wrapped the function in a
+        # trampoline that takes the GIL on the driver thread (the numba-cuda #317
+        # and TensorRT-LLM #15855 deadlock). This passes ``fn`` itself: no Python
+        # runs. cudaStream_t and CUstream are the same handle; the driver's codes
+        # are the runtime's for every error this call returns.
+        launch = self._host_func_launcher()
+        code = launch(ctypes.c_void_p(stream), ctypes.c_void_p(fn), ctypes.c_void_p(user_data))
+        check((code,), "cuLaunchHostFunc")
+
+    def _host_func_launcher(self) -> Any:
+        launch = self._launch_host_func
+        if launch is None:  # OSError if the driver library or the symbol is missing
+            driver = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+            try:
+                launch = driver.cuLaunchHostFunc
+            except AttributeError as exc:
+                raise OSError(f"the CUDA driver has no cuLaunchHostFunc: {exc}") from exc
+            launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            launch.restype = ctypes.c_int
+            self._launch_host_func = launch
+        return launch
 
     # -- graph capture ---------------------------------------------------------------
 

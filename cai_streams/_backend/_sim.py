@@ -282,6 +282,18 @@ class SimBackend(Backend):
         target = self._resolve(stream)
         self._enqueue(target, ("kernel", fn, name, duration, target.device.epoch))
 
+    def launch_host_func(self, stream: int, fn: int, user_data: int) -> None:
+        """The stream's worker calls the C function ``fn(user_data)`` through
+        ctypes at this point in its FIFO (the GIL released, as ctypes does), as
+        a driver thread does; never on a poisoned device. Only enqueues."""
+        for name, value in (("fn", fn), ("user_data", user_data)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise TypeError(f"{name} must be an address (an int >= 0), got {value!r}")
+        if fn == 0:
+            raise sim_error(1, "cudaLaunchHostFunc: fn is NULL")
+        target = self._resolve(stream)
+        self._enqueue(target, ("host", fn, user_data, target.device.epoch))
+
     def synchronize_stream(self, stream: int) -> None:
         target = self._resolve(stream)
         device = target.device

@@ -151,6 +151,8 @@ class CaptureRules:
                     capture.add(stream, op[:4])
                 elif op[0] == "graph":
                     capture.add(stream, op[:2])
+                elif op[0] == "host":  # a host node, replayed on each launch
+                    capture.add(stream, op[:3])
 
     def record_event(self, event: SimEvent, stream: SimStream) -> None:
         """``event`` recorded on the capturing ``stream``: a point in the graph."""

@@ -4,13 +4,15 @@ A stream is a FIFO of operations and a worker thread (started when the
 stream is made; a device's legacy stream's on first use) that runs them one at
 a time: kernels (Python callables, after their duration and a seeded jitter),
 marks (a point later work or the host can wait for), waits (block this worker
-until another stream's mark is reached) and graph replays. A device holds its
+until another stream's mark is reached), host functions (a C function called
+through ctypes, as a driver thread calls it) and graph replays. A device holds its
 legacy stream, the blocking per-thread default streams of live host threads,
 and its sticky fault.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import random
 import threading
@@ -51,6 +53,18 @@ _NAMES: Final = {
 def sim_error(code: int, detail: str) -> CudaError:
     """The CudaError the driver returns as ``code``, with what happened."""
     return CudaError(code, _NAMES[code], detail)
+
+
+_HostFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_host_functions: dict[int, Any] = {}
+
+
+def _host_function(address: int) -> Any:
+    """A ctypes callable for the ``void (*)(void *)`` at ``address`` (cached)."""
+    fn = _host_functions.get(address)
+    if fn is None:
+        fn = _host_functions.setdefault(address, _HostFn(address))
+    return fn
 
 
 def raise_fault(fault: KernelError) -> None:
@@ -255,6 +269,8 @@ class SimStream:
                 while not waited.done.wait(0.05):
                     if self._backend.closing:
                         return
+            elif kind == "host":
+                self._run_host(op[1], op[2], op[3])
             elif kind == "graph":
                 self._run_graph(op[1], op[2])
             # An idle worker must not keep the last kernel's arrays alive.
@@ -265,8 +281,18 @@ class SimStream:
             if node.op[0] == "kernel":
                 _, fn, name, duration = node.op
                 self._run_kernel(fn, name, duration, epoch)
+            elif node.op[0] == "host":
+                self._run_host(node.op[1], node.op[2], epoch)
             else:
                 self._run_graph(node.op[1], epoch)
+
+    def _run_host(self, fn: int, user_data: int, epoch: int) -> None:
+        """A host function: the C function at ``fn``, called as a driver thread
+        calls it (no Python of ours runs; ctypes releases the GIL for the call)."""
+        device = self.device
+        if device.fault is not None or epoch != device.epoch:
+            return  # as on a GPU: nothing more runs on a faulted device
+        _host_function(fn)(user_data)
 
     def _run_kernel(self, fn: Callable[[], object], name: str, duration: float, epoch: int) -> None:
         device = self.device

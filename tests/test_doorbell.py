@@ -1,0 +1,371 @@
+"""The doorbell beside the poller: it wakes waiters, and leaks nothing.
+
+Each guarantee is shown against a control: a poller that sleeps long between
+passes wakes late unless a bell rings; counters of armed, fired and retired
+bells balance once nothing is pending, whatever became of the waiters.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import anyio
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams import _doorbell, sim
+
+from .device_ops import DeviceOps
+
+pytestmark = pytest.mark.anyio
+
+#: a poller that would wake its waiters this long after their work ends
+SLOW = 0.25
+
+
+@pytest.fixture(autouse=True)
+def _defaults() -> Iterator[None]:
+    yield
+    cs.configure(poll=cs.PollPolicy())
+
+
+def _sleepy(wake: str) -> cs.PollPolicy:
+    """A policy whose passes are SLOW apart: only a bell wakes a waiter sooner."""
+    return cs.PollPolicy(spin=0, first=SLOW, cap=SLOW, fallback=SLOW, wake=wake)  # type: ignore[arg-type]
+
+
+def _settled() -> dict[str, int]:
+    cs.current_backend().synchronize_stream(1)
+    return cs.stats()
+
+
+async def _time_one_wait(duration: float) -> float:
+    s = cs.Stream()
+    sim.launch(s, lambda: None, duration=duration)
+    event = s.record()
+    start = time.perf_counter()
+    await event.wait()
+    elapsed = time.perf_counter() - start
+    event.close()
+    s.close()
+    return elapsed
+
+
+async def test_a_bell_wakes_the_waiter_long_before_the_next_pass() -> None:
+    cs.use_backend("sim")
+    cs.configure(poll=_sleepy("poll"))
+    polled = await _time_one_wait(0.02)  # control: woken at the pass after SLOW
+    before = _settled()
+    cs.configure(poll=_sleepy("doorbell"))
+    rung = await _time_one_wait(0.02)
+    after = _settled()
+    assert polled > SLOW * 0.9  # the control is late, as its policy says
+    assert rung < polled / 2, (rung, polled)
+    assert after["doorbells_armed"] > before["doorbells_armed"]
+    assert after["doorbells_fired"] - before["doorbells_fired"] == 1
+
+
+async def test_a_stream_that_completes_first_is_not_held_behind_a_slow_one() -> None:
+    """Bells of different streams use different notifier streams."""
+    cs.use_backend("sim")
+    cs.configure(poll=_sleepy("doorbell"))
+    slow, fast = cs.Stream(), cs.Stream()
+    sim.launch(slow, lambda: None, duration=SLOW * 2)
+    slow_event = slow.record()
+    sim.launch(fast, lambda: None, duration=0.02)
+    fast_event = fast.record()
+    woke: dict[str, float] = {}
+    start = time.perf_counter()
+
+    async def wait(name: str, event: cs.Event) -> None:
+        await event.wait()
+        woke[name] = time.perf_counter() - start
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait, "slow", slow_event)
+        await anyio.sleep(0.005)  # the slow stream's bell is armed first
+        tg.start_soon(wait, "fast", fast_event)
+    assert woke["fast"] < woke["slow"] / 2, woke
+
+
+async def test_cancelled_and_timed_out_waiters_leak_no_bell(ops: DeviceOps) -> None:
+    if ops.name != "sim":
+        pytest.skip("the sim's counters; the GPU tier runs the same code")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    before = _settled()
+    s = cs.Stream()
+    latch = ops.latch(s)
+    producers = [
+        cs.read_interface(ops.array(np.zeros(4, "float32"))).with_stream(s.handle)
+        for _ in range(20)
+    ]
+    timed_out: list[int] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            scopes = [anyio.CancelScope() for _ in producers]
+
+            async def consumer(i: int) -> None:
+                with scopes[i]:
+                    try:
+                        await cs.consume(producers[i], timeout=0.05 if i % 3 == 0 else 20)
+                    except TimeoutError:
+                        timed_out.append(i)
+
+            for i in range(len(producers)):
+                tg.start_soon(consumer, i)
+            await anyio.sleep(0.02)
+            armed = cs.stats()["doorbells_armed"] - before["doorbells_armed"]
+            assert armed >= 1  # the stream's oldest pending event has a bell
+            for scope in scopes[1::3]:
+                scope.cancel()
+            await anyio.sleep(0.1)  # the timeouts expire
+            latch.release()
+    finally:
+        latch.release()
+    s.synchronize()
+    after = _settled()
+    assert sorted(timed_out) == list(range(0, len(producers), 3))
+    armed = after["doorbells_armed"] - before["doorbells_armed"]
+    fired = after["doorbells_fired"] - before["doorbells_fired"]
+    retired = after["doorbells_retired"] - before["doorbells_retired"]
+    assert armed == fired + retired and retired == 0
+    assert after["events_in_flight"] == before["events_in_flight"]
+
+
+async def test_a_faulted_kernel_is_found_by_the_poller_and_its_bell_retired() -> None:
+    """A device that faulted runs no host function again: the bell never fires,
+    the slow fallback pass finds the error, and the sweep retires the bell."""
+    cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    before = _settled()
+    s = cs.Stream()
+    t = cs.track(sim.empty(4))
+    with t.writing(s):
+        sim.launch(s, lambda: 1 / 0, duration=0.02, name="broken")
+    with pytest.raises(cs.KernelError):
+        await cs.consume(t, timeout=20)
+    after = cs.stats()
+    sim.reset()
+    armed = after["doorbells_armed"] - before["doorbells_armed"]
+    retired = after["doorbells_retired"] - before["doorbells_retired"]
+    fired = after["doorbells_fired"] - before["doorbells_fired"]
+    assert armed >= 1 and fired == 0 and retired == armed
+
+
+async def test_a_capturing_stream_never_gets_a_bell() -> None:
+    cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    for capturing in (False, True):  # control first: the same wait arms a bell
+        s = cs.Stream()
+        t = cs.track(sim.empty(4))
+        with t.writing(s):
+            sim.launch(s, lambda: None, duration=0.02)
+        backend = cs.current_backend()
+        if capturing:
+            backend.begin_capture(s.handle, "relaxed")
+        before = cs.stats()["doorbells_armed"]
+        await cs.consume(t, timeout=20)
+        armed = cs.stats()["doorbells_armed"] - before
+        if capturing:
+            graph = backend.end_capture(s.handle)  # valid: nothing of the doorbell joined it
+            backend.destroy_graph(graph)
+        assert armed == (0 if capturing else 1)
+
+
+def test_a_global_capture_in_another_thread_survives_the_doorbell() -> None:
+    """Arming, firing and the doorbell's thread make no call that a global-mode
+    capture forbids. (The poller's own queries are made capture-safe by
+    exchanging the polling thread's mode to relaxed, as here.)"""
+    backend = cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    capturing, waited = threading.Event(), threading.Event()
+    outcome: list[object] = []
+
+    def capture() -> None:
+        s = cs.Stream()
+        backend.begin_capture(s.handle, "global")
+        sim.launch(s, lambda: None)
+        capturing.set()
+        waited.wait(20)
+        try:
+            outcome.append(backend.end_capture(s.handle))
+        except cs.CudaError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    assert capturing.wait(20)
+    before = cs.stats()["doorbells_fired"]
+
+    async def main() -> None:
+        previous = backend.exchange_capture_mode("relaxed")
+        try:
+            for _ in range(3):
+                await _time_one_wait(0.01)
+        finally:
+            backend.exchange_capture_mode(previous)
+
+    try:
+        anyio.run(main)
+    finally:
+        waited.set()
+        thread.join(20)
+    assert cs.stats()["doorbells_fired"] - before == 3
+    (graph,) = outcome
+    assert isinstance(graph, int), graph
+    backend.destroy_graph(graph)
+
+
+class _Entry:
+    """What the doorbell needs of a poller entry."""
+
+    def __init__(self, backend: cs.Backend, event: int) -> None:
+        self.backend = backend
+        self.event = event
+        self.bell = _doorbell.BellState.UNARMED
+
+
+def test_arming_and_firing_make_no_call_that_a_global_capture_forbids() -> None:
+    """Stricter than another thread's capture: this thread captures in global
+    mode, where its own potentially unsafe calls would invalidate the capture,
+    and arms a bell that fires meanwhile. The capture still ends valid."""
+    backend = cs.use_backend("sim")
+    producer, capturing = cs.Stream(), cs.Stream()
+    sim.launch(producer, lambda: None, duration=0.01)
+    event = producer.record()
+    fired = threading.Event()
+    got: list[object] = []
+
+    def call(callback: Callable[[], None]) -> None:
+        callback()  # on the doorbell's thread: what the loop would be handed
+
+    def handed() -> None:
+        got.extend(ring.fired)
+        fired.set()
+
+    ring = _doorbell.Ring(call, handed)
+    backend.begin_capture(capturing.handle, "global")
+    try:
+        sim.launch(capturing, lambda: None)
+        entry = _Entry(backend, event.handle)
+        state = _doorbell._doorbell.arm(entry, ("lone event", event.handle), ring)
+        assert state is _doorbell.BellState.ARMED
+        assert fired.wait(20)
+    finally:
+        graph = backend.end_capture(capturing.handle)  # raises if it was invalidated
+    backend.destroy_graph(graph)
+    assert got == [(entry, ("lone event", event.handle))]
+
+
+async def test_random_waiters_see_their_data_and_bells_balance() -> None:
+    """Model-based: random kernels on random streams, waiters that finish, time
+    out or are cancelled at random. Oracle: a waiter that returns sees its
+    kernel's write; every bell armed fires or is retired; no event leaks."""
+    cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    rng = random.Random(20)
+    before = _settled()
+    streams = [cs.Stream() for _ in range(4)]
+    n = 80
+    arrays = [sim.empty(1, "int32") for _ in range(n)]
+    plan = [
+        (
+            rng.choice(streams),
+            rng.uniform(0, 0.01),
+            rng.choice(["wait", "wait", "cancel", "timeout"]),
+        )
+        for _ in range(n)
+    ]
+    tracked = []
+    for arr, (s, duration, _) in zip(arrays, plan, strict=True):
+        t = cs.track(arr)
+        with t.writing(s):
+            sim.launch(s, lambda x: x.fill(7), arr, writes=[arr], duration=duration)
+        tracked.append(t)
+    seen: list[bool] = []
+
+    async def waiter(i: int) -> None:
+        kind = plan[i][2]
+        with anyio.move_on_after(rng.uniform(0, 0.05) if kind == "cancel" else 30):
+            try:
+                view = await cs.consume(tracked[i], timeout=0.005 if kind == "timeout" else 20)
+            except TimeoutError:
+                return
+            data = sim._numpy_view(view)
+            seen.append(data is not None and bool((data == 7).all()))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(waiter, i)
+    for s in streams:
+        s.synchronize()
+    tracked.clear()
+    arrays.clear()
+    gc.collect()  # the tracked arrays held their writes' events
+    after = _settled()
+    assert seen and all(seen)
+    armed = after["doorbells_armed"] - before["doorbells_armed"]
+    fired = after["doorbells_fired"] - before["doorbells_fired"]
+    retired = after["doorbells_retired"] - before["doorbells_retired"]
+    assert armed > 0 and armed == fired + retired
+    assert after["events_in_flight"] == before["events_in_flight"]
+
+
+def test_uvloop_is_woken_by_the_bell() -> None:
+    pytest.importorskip("uvloop")
+    cs.use_backend("sim")
+    cs.configure(poll=_sleepy("poll"))
+    polled = anyio.run(_time_one_wait, 0.02, backend_options={"use_uvloop": True})
+    cs.configure(poll=_sleepy("doorbell"))
+    rung = anyio.run(_time_one_wait, 0.02, backend_options={"use_uvloop": True})
+    assert rung < polled / 2, (rung, polled)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"wake": "bell"}, {"wake": None}, {"fallback": -1.0}, {"fallback": float("inf")}]
+)
+def test_poll_policy_rejects_a_bad_wake_mode_or_fallback(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        cs.PollPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_low_latency_never_rings() -> None:
+    assert cs.PollPolicy.low_latency().wake == "poll"
+    assert cs.PollPolicy().wake == "auto"
+
+
+async def test_without_host_functions_the_poller_alone_serves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A driver without cuLaunchHostFunc (OSError): waits still complete, polled,
+    and no bell is armed again for that backend."""
+    backend = cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+
+    def missing(stream: int, fn: int, user_data: int) -> None:
+        raise OSError("no cuLaunchHostFunc")
+
+    monkeypatch.setattr(backend, "launch_host_func", missing)
+    before = cs.stats()["doorbells_armed"]
+    try:
+        for _ in range(2):
+            await _time_one_wait(0.005)
+        assert backend in _doorbell._doorbell.no_host_functions
+    finally:
+        _doorbell._doorbell.no_host_functions.discard(backend)
+    assert cs.stats()["doorbells_armed"] == before
+
+
+async def test_auto_rings_under_asyncio_and_polls_under_trio(anyio_backend: str) -> None:
+    """The default follows the benchmarks: bells under asyncio, polling under trio."""
+    cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy())
+    before = cs.stats()["doorbells_armed"]
+    await _time_one_wait(0.005)
+    armed = cs.stats()["doorbells_armed"] - before
+    assert armed == (1 if anyio_backend == "asyncio" else 0)
