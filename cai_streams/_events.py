@@ -6,14 +6,15 @@ import itertools
 import threading
 import warnings
 from collections import deque
-from typing import Final, NamedTuple
+from collections.abc import Callable, Hashable
+from typing import Final, NamedTuple, TypeVar
 
 from . import _capture_guard
 from ._backend import Backend
 from ._errors import CudaError, CudaWarning
 from ._identity import StreamId
 
-__all__ = ["EventPool", "Mark", "pool_for", "pools_of", "record"]
+__all__ = ["EventPool", "Mark", "of_backend", "pool_for", "pools_of", "record", "registered"]
 
 _order = itertools.count()
 
@@ -155,6 +156,27 @@ class EventPool:
         return self.created - self.destroyed - len(self._free)
 
 
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+def registered(table: dict[K, V], lock: threading.Lock, key: K, make: Callable[[], V]) -> V:
+    """``table[key]``, made by ``make()`` once even when threads race. Does not block
+    beyond bookkeeping."""
+    found = table.get(key)
+    if found is None:
+        with lock:
+            found = table.get(key)
+            if found is None:
+                found = table[key] = make()
+    return found
+
+
+def of_backend(table: dict[tuple[Backend, int], V], backend: Backend) -> list[V]:
+    """The values of ``table`` (keyed by backend and device) for ``backend``."""
+    return [value for (b, _), value in list(table.items()) if b is backend]
+
+
 _pools: dict[tuple[Backend, int], EventPool] = {}
 _pools_lock = threading.Lock()
 
@@ -163,15 +185,9 @@ def pool_for(backend: Backend, device: int) -> EventPool:
     """The event pool of ``backend``'s ``device``: an event records only on
     streams of its own device (cudaErrorInvalidResourceHandle otherwise), so
     each device has its own pool. Does not block."""
-    found = _pools.get((backend, device))
-    if found is None:
-        with _pools_lock:
-            found = _pools.get((backend, device))
-            if found is None:
-                found = _pools[(backend, device)] = EventPool(backend, device)
-    return found
+    return registered(_pools, _pools_lock, (backend, device), lambda: EventPool(backend, device))
 
 
 def pools_of(backend: Backend) -> list[EventPool]:
     """Every event pool made so far for ``backend`` (one per device used)."""
-    return [pool for (b, _), pool in list(_pools.items()) if b is backend]
+    return of_backend(_pools, backend)

@@ -19,7 +19,7 @@ from ._access import Counters
 from ._backend import Backend, current_backend
 from ._doorbell import stats as doorbell_stats
 from ._errors import CudaError
-from ._events import pool_for, pools_of, record
+from ._events import of_backend, pool_for, pools_of, record, registered
 from ._hold_table import table as holds
 from ._hold_table import tick as release_holds
 from ._identity import StreamId, stream_id_now
@@ -162,18 +162,13 @@ def scheduler_for(backend: Backend, device: int | None = None) -> Scheduler:
     """The scheduler of ``backend``'s ``device`` (None: the current device)."""
     if device is None:
         device = backend.current_device()
-    found = _schedulers.get((backend, device))
-    if found is None:
-        with _schedulers_lock:
-            found = _schedulers.get((backend, device))
-            if found is None:
-                found = _schedulers[(backend, device)] = Scheduler(backend, device)
-    return found
+    on = device
+    return registered(_schedulers, _schedulers_lock, (backend, on), lambda: Scheduler(backend, on))
 
 
 def schedulers_of(backend: Backend) -> list[Scheduler]:
     """Every scheduler made so far for ``backend`` (one per device used)."""
-    return [sched for (b, _), sched in list(_schedulers.items()) if b is backend]
+    return of_backend(_schedulers, backend)
 
 
 def find_work(backend: Backend, obj: object) -> PendingWork | None:
