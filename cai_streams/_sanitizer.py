@@ -72,7 +72,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Final
 
-from . import _backend, _observe, _sanitizer_threads
+from . import _backend, _observe, _sanitizer_locks, _sanitizer_threads
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
 from ._errors import HazardError
 from ._identity import StreamId, stream_id_now, thread_serial
@@ -664,9 +664,11 @@ def _switch_to(on: bool) -> None:
         _state = _State()
         _observe.add(_watcher)
         _sanitizer_threads.install(_Handoffs())
+        _sanitizer_locks.install(_Handoffs())
         active = True
     elif not on and active:
         active = False
+        _sanitizer_locks.uninstall()
         _sanitizer_threads.uninstall()
         _observe.remove(_watcher)
 
