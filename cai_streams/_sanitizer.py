@@ -428,7 +428,8 @@ def happens_before(token: Hashable) -> None:
     Everything this thread did before is then ordered before what the
     receiving thread does after. ``token`` is any hashable value; calls with
     the same one accumulate. Does not block; a no-op while the sanitizer is off.
-    Queues, futures, thread start and join, ``threading.Event`` and the
+    Queues, futures, thread start and join, ``threading.Event``, locks made
+    with ``threading.Lock`` / ``RLock`` while it is on, and the
     ``to_thread`` of asyncio and anyio are seen without it.
     """
     if active:
