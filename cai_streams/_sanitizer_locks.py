@@ -114,9 +114,11 @@ def _made_by_user() -> bool:
     standard library (a ``Queue``'s or an ``Event``'s private lock orders more
     than what the primitive promises, and how much depends on timing) nor this
     package (its bookkeeping orders nothing the user's program relies on)."""
-    frame = sys._getframe(2)
-    if frame.f_code is _CONDITION_INIT:
-        frame = frame.f_back  # type: ignore[assignment]
+    frame = sys._getframe(1).f_back  # the caller of _lock / _rlock
+    if frame is not None and frame.f_code is _CONDITION_INIT:
+        frame = frame.f_back
+    if frame is None:  # called straight from C: nobody's lock in particular
+        return False
     path = frame.f_code.co_filename
     if path.startswith(_PACKAGE_DIR) or path.startswith("<frozen"):
         return False
