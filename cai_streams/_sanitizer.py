@@ -72,7 +72,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Final
 
-from . import _backend, _observe, _sanitizer_threads
+from . import _backend, _observe, _sanitizer_locks, _sanitizer_threads
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
 from ._errors import HazardError
 from ._identity import StreamId, stream_id_now, thread_serial
@@ -428,7 +428,8 @@ def happens_before(token: Hashable) -> None:
     Everything this thread did before is then ordered before what the
     receiving thread does after. ``token`` is any hashable value; calls with
     the same one accumulate. Does not block; a no-op while the sanitizer is off.
-    Queues, futures, thread start and join, ``threading.Event`` and the
+    Queues, futures, thread start and join, ``threading.Event``, locks made
+    with ``threading.Lock`` / ``RLock`` while it is on, and the
     ``to_thread`` of asyncio and anyio are seen without it.
     """
     if active:
@@ -664,9 +665,11 @@ def _switch_to(on: bool) -> None:
         _state = _State()
         _observe.add(_watcher)
         _sanitizer_threads.install(_Handoffs())
+        _sanitizer_locks.install(_Handoffs())
         active = True
     elif not on and active:
         active = False
+        _sanitizer_locks.uninstall()
         _sanitizer_threads.uninstall()
         _observe.remove(_watcher)
 

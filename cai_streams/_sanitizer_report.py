@@ -15,8 +15,8 @@ Clock = dict[Hashable, int]
 
 _HOST_HANDOFF = (
     "hand the work over between the threads with something the sanitizer sees "
-    "(`queue.Queue`, `threading.Event`, `concurrent.futures`, `asyncio.to_thread`, "
-    "`anyio.to_thread.run_sync`, `Thread.join`), or say it with "
+    "(`queue.Queue`, `threading.Event`, `threading.Lock`, `concurrent.futures`, "
+    "`asyncio.to_thread`, `anyio.to_thread.run_sync`, `Thread.join`), or say it with "
     "`cs.happens_before(token)` in the giving thread and `cs.happens_after(token)` "
     "in the receiving one"
 )

@@ -9,9 +9,9 @@ then): ``Thread.start`` / ``Thread.join``, ``queue.Queue`` ``put`` / ``get``
 ``threading.Condition`` ``notify`` / ``wait``, ``asyncio.to_thread``,
 ``anyio.to_thread.run_sync`` and ``trio.to_thread.run_sync`` (called through
 their modules). ``threading.Lock`` and ``RLock`` are C types whose methods
-cannot be wrapped, and a function imported by name before the sanitizer was
-turned on is not wrapped: say such orderings with ``cs.happens_before(token)``
-and ``cs.happens_after(token)``.
+cannot be wrapped: ``_sanitizer_locks`` makes seen ones instead. A function
+imported by name before the sanitizer was turned on is not wrapped: say such
+orderings with ``cs.happens_before(token)`` and ``cs.happens_after(token)``.
 """
 
 from __future__ import annotations

@@ -456,14 +456,15 @@ def test_environment_switch_rejects_nonsense_when_used_not_at_import() -> None:
 #
 # Two host threads run each program's operations (in program order, one at a
 # time, driven through a C queue the sanitizer does not see); between them,
-# handoffs through a queue.Queue, a threading.Event or happens_before/after.
+# handoffs through a queue.Queue, a threading.Event, a threading.Lock (give and
+# take are both ``with lock: pass``) or happens_before/after.
 
 N_STREAMS = 3  # plus the legacy stream, index 3
 LEGACY = N_STREAMS
 N_EVENTS = 2
 N_THREADS = 2
 N_TOKENS = 2
-HANDOFF_KINDS = ("queue", "event", "tokens")
+HANDOFF_KINDS = ("queue", "event", "lock", "tokens")
 #: byte ranges of the buffers, as offsets into one allocation: 0 and 1 overlap
 RANGES = [(0, 256), (128, 384), (512, 768)]
 
@@ -550,6 +551,11 @@ def _oracle(program: list[Op], handoff: str, *, handoffs: bool = True) -> int | 
         elif kind == "sync_stream":
             if args[0] in last_on:
                 edge(("d", last_on[args[0]]), ("h", k))
+        elif kind in ("give", "take") and handoff == "lock":
+            # both acquire (after every earlier release) and release the lock
+            for g in given.get(args[0], []) if handoffs else ():
+                edge(("h", g), ("h", k))
+            given.setdefault(args[0], []).append(k)
         elif kind == "give":
             given.setdefault(args[0], []).append(k)
             queued[args[0]] = queued.get(args[0], 0) + 1
@@ -592,12 +598,16 @@ class _Handoffs:
         self.kind = kind
         self.queues: list[queue.Queue[None]] = [queue.Queue() for _ in range(N_TOKENS)]
         self.events = [threading.Event() for _ in range(N_TOKENS)]
+        self.locks = [threading.Lock() for _ in range(N_TOKENS)]  # made while sanitizing
 
     def give(self, token: int) -> None:
         if self.kind == "queue":
             self.queues[token].put(None)
         elif self.kind == "event":
             self.events[token].set()
+        elif self.kind == "lock":
+            with self.locks[token]:
+                pass
         else:
             cs.happens_before(("oracle token", token))
 
@@ -609,6 +619,9 @@ class _Handoffs:
                 pass
         elif self.kind == "event":
             self.events[token].wait(0)
+        elif self.kind == "lock":
+            with self.locks[token]:
+                pass
         else:
             cs.happens_after(("oracle token", token))
 

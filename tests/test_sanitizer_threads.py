@@ -4,8 +4,10 @@ never flagged, while a handoff made too early always is."""
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -214,7 +216,7 @@ def _via_anyio_to_thread(backend: str) -> Callable[[sim.SimArray, bool], np.ndar
 
 
 def _via_tokens(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
-    lock = threading.Lock()  # a C lock: not seen, so the program says it
+    lock = _thread.allocate_lock()  # made through _thread: not seen, so the program says it
     lock.acquire()
 
     def handoff() -> None:
@@ -231,6 +233,65 @@ def _via_tokens(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
         th.join()
 
 
+def _via_lock(make: Callable[[], Any], reentered: bool) -> Callable[..., np.ndarray[Any, Any]]:
+    """The writer enqueues its write holding the lock (re-entered, for an RLock)
+    and synchronizes before (or, ``early``, after) letting go; the reader
+    blocks on the lock until then. The only ordering is the writer's release
+    and the reader's later acquire (the reader learns that the writer holds
+    the lock through a ``_thread`` lock, which is not seen)."""
+
+    def run(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
+        lock, holding = make(), _thread.allocate_lock()
+        holding.acquire()
+
+        def produce() -> None:
+            s = cs.Stream()
+            with lock, lock if reentered else contextlib.nullcontext():
+                holding.release()
+                write(s, x, duration=SLOW)
+                if not early:
+                    s.synchronize()
+            s.synchronize()
+
+        th = threading.Thread(target=produce)
+        th.start()
+        try:
+            assert holding.acquire(timeout=10)
+            assert lock.acquire(timeout=10)  # waits for the writer to let go
+            try:
+                return x.to_host()
+            finally:
+                lock.release()
+        finally:
+            th.join()
+
+    return run
+
+
+def _via_condition(make: Callable[[], threading.Condition]) -> Callable[..., np.ndarray[Any, Any]]:
+    """The reader waits on a condition (made while sanitizing: its lock is a
+    seen one, and ``wait`` fully releases and re-acquires it)."""
+
+    def run(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
+        cond, published = make(), []
+
+        def publish() -> None:
+            with cond:
+                published.append(True)
+                cond.notify()
+
+        th = threading.Thread(target=_producer(x, early), args=(publish,))
+        th.start()
+        try:
+            with cond:
+                assert cond.wait_for(lambda: published, 10)
+                return x.to_host()
+        finally:
+            th.join()
+
+    return run
+
+
 HANDOFFS: dict[str, Callable[[sim.SimArray, bool], np.ndarray[Any, Any]]] = {
     "queue.Queue": _via_queue,
     "threading.Event": _via_event,
@@ -240,6 +301,11 @@ HANDOFFS: dict[str, Callable[[sim.SimArray, bool], np.ndarray[Any, Any]]] = {
     "anyio.to_thread (asyncio)": _via_anyio_to_thread("asyncio"),
     "anyio.to_thread (trio)": _via_anyio_to_thread("trio"),
     "happens_before/after": _via_tokens,
+    "threading.Lock": _via_lock(lambda: threading.Lock(), reentered=False),
+    "threading.RLock": _via_lock(lambda: threading.RLock(), reentered=True),
+    "threading.Condition": _via_condition(lambda: threading.Condition()),
+    "threading.Condition (as a lock)": _via_lock(lambda: threading.Condition(), reentered=True),
+    "threading.Condition(Lock())": _via_condition(lambda: threading.Condition(threading.Lock())),
 }
 
 _thread_errors: list[BaseException] = []
@@ -272,11 +338,12 @@ def test_a_handoff_before_the_synchronize_is_always_flagged(name: str) -> None:
 
 
 def test_an_unseen_handoff_is_named_as_a_missing_host_thread_ordering() -> None:
-    """A C lock hands over after the synchronize, and the program does not say
-    so: the producer thread is ordered after the write, the consumer is not,
-    and the message says which ordering is missing and how to state it."""
+    """A lock made through ``_thread`` hands over after the synchronize, and the
+    program does not say so: the producer thread is ordered after the write, the
+    consumer is not, and the message says which ordering is missing and how to
+    state it."""
     x = zeros()
-    lock = threading.Lock()
+    lock = _thread.allocate_lock()
     lock.acquire()
     th = threading.Thread(target=_producer(x, False), args=(lock.release,))
     th.start()
@@ -298,3 +365,52 @@ def test_the_early_handoff_reads_wrong_data_unsanitized(name: str) -> None:
     with cs.sanitize(False):
         got = HANDOFFS[name](x, True)
     assert (got == 0).all()
+
+
+def test_a_read_that_skips_the_lock_is_flagged_and_really_races() -> None:
+    """The writer holds the lock across its write and synchronize; a reader
+    that does not take the lock (it only learns, unseen, that the writer has
+    begun) reads during the write: wrong data unsanitized, named sanitized."""
+
+    def skip_the_lock(x: sim.SimArray) -> np.ndarray[Any, Any]:
+        lock, holding = threading.Lock(), _thread.allocate_lock()
+        holding.acquire()
+
+        def produce() -> None:
+            s = cs.Stream()
+            with lock:
+                holding.release()
+                write(s, x, duration=SLOW)
+                s.synchronize()
+
+        th = threading.Thread(target=produce)
+        th.start()
+        try:
+            assert holding.acquire(timeout=10)
+            return x.to_host()
+        finally:
+            th.join()
+
+    with cs.sanitize(False):
+        assert (skip_the_lock(zeros()) == 0).all()
+    with pytest.raises(cs.HazardError, match="kernel 'ones'"):
+        skip_the_lock(zeros())
+
+
+def test_locks_are_wrapped_only_while_sanitizing() -> None:
+    """While on, ``threading.Lock`` / ``RLock`` (and the stdlib objects built on
+    them) are seen wrappers, and this package's own locks are not; turned off,
+    the originals are back and a wrapper made meanwhile still works."""
+    plain, plain_r = type(_thread.allocate_lock()), type(_thread.RLock())
+    seen, seen_r = threading.Lock(), threading.RLock()
+    assert type(seen) is not plain and type(seen_r) is not plain_r
+    assert type(threading.Condition()._lock) is not plain_r  # a condition's own lock too
+    assert type(queue.Queue().mutex) is plain  # a primitive's private lock is not
+    assert type(cs.track(zeros())._work.lock) is plain  # the library's own
+    with cs.sanitize(False):
+        assert type(threading.Lock()) is plain and type(threading.RLock()) is plain_r
+        with seen, seen_r, seen_r:
+            assert seen.locked() and seen_r._is_owned()
+        assert not seen.locked() and seen.acquire(False)
+        seen.release()
+    assert type(threading.Lock()) is not plain
