@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import anyio
@@ -23,6 +22,7 @@ import pytest
 import cai_streams as cs
 
 from .device_ops import DeviceOps
+from .test_conformance_devices import _on_device
 
 pytestmark = pytest.mark.anyio
 
@@ -35,14 +35,9 @@ def _two_devices(backend: cs.Backend) -> None:
         pytest.skip(f"{backend.name}: one device; these handoffs need two")
 
 
-@contextmanager
-def on_device(device: int) -> Iterator[None]:
-    previous = cs.current_device()
-    cs.set_device(device)
-    try:
-        yield
-    finally:
-        cs.set_device(previous)
+def on_device(device: int) -> AbstractContextManager[None]:
+    """This thread's current device is ``device`` inside the block."""
+    return _on_device(cs.current_backend(), device)
 
 
 class Reporting:
