@@ -42,6 +42,7 @@ __all__ = [
     "RelaxedScope",
     "capturing",
     "check_host_wait",
+    "host_wait_idle",
     "check_join",
     "check_wait",
     "event_complete",
@@ -157,8 +158,11 @@ def event_complete(backend: Backend, event: int, mark: Mark | None) -> bool:
 def stream_idle(backend: Backend, key: StreamId) -> bool:
     """Whether all work enqueued on ``key``'s stream so far is done: False for a
     capturing stream (never queried) or one this thread cannot name."""
-    if capturing(backend, key) is not False:
-        return False
+    return capturing(backend, key) is False and _query_idle(backend, key)
+
+
+def _query_idle(backend: Backend, key: StreamId) -> bool:
+    """cudaStreamQuery of a stream known not to capture, in relaxed mode."""
     with relaxed(backend):
         return backend.query_stream(key.handle)
 
@@ -246,12 +250,25 @@ def check_host_wait(backend: Backend, producer: StreamId, mark: Mark | None, wha
     ``mark``): :class:`CaptureError` if that work is in a capture under way."""
     live = in_capture(backend, mark) if mark is not None else capturing(backend, producer) is True
     if live:
-        raise CaptureError(
-            f"{what}: the pending work is on {producer.describe()}, which is "
-            "capturing a graph: it has not run, so the host cannot wait for it; "
-            "wait after end_capture() and Graph.launch, or pass stream= a stream in the "
-            "same capture"
-        )
+        raise _host_wait_refused(producer, what)
+
+
+def host_wait_idle(backend: Backend, producer: StreamId, what: str) -> bool:
+    """:func:`check_host_wait` for the work enqueued on ``producer`` so far, then
+    :func:`stream_idle`, asking the capture state once. Never blocks."""
+    state = capturing(backend, producer)
+    if state is True:
+        raise _host_wait_refused(producer, what)
+    return state is False and _query_idle(backend, producer)
+
+
+def _host_wait_refused(producer: StreamId, what: str) -> CaptureError:
+    return CaptureError(
+        f"{what}: the pending work is on {producer.describe()}, which is "
+        "capturing a graph: it has not run, so the host cannot wait for it; "
+        "wait after end_capture() and Graph.launch, or pass stream= a stream in the "
+        "same capture"
+    )
 
 
 def host_skips(backend: Backend, access: PendingAccess, what: str) -> bool:

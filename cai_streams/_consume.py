@@ -241,9 +241,8 @@ class _UntrackedHost(_Handoff):
         assert producer is not None
         self.view = self.view.with_stream(None)
         key = stream_id_now(backend, producer)
-        _capture_guard.check_host_wait(backend, key, None, "consume()")
         with _observe.Scope(self):  # what it finds complete is this handoff's to know
-            idle = _capture_guard.stream_idle(backend, key)
+            idle = _capture_guard.host_wait_idle(backend, key, "consume()")
         if idle:
             return None  # idle: the data is ready now, and no event is spent
         pool = self.pool = pool_for(backend, key.device)  # an event of the producer's device
