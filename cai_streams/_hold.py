@@ -35,11 +35,10 @@ from contextlib import contextmanager
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
-from ._events import record
+from ._events import pool_for, record
 from ._hold_table import Hold, relaxed, table, tick
 from ._identity import Lifetime, StreamId, thread_serial
 from ._interface import ArrayView
-from ._scheduler import scheduler_for
 from ._stream import Stream, as_stream
 
 __all__ = ["LeaseState", "ViewLease", "hold", "hold_view_owner", "view_done"]
@@ -75,7 +74,7 @@ def _on_device(backend: Backend, device: int, handle: int) -> Iterator[None]:
 def _record_hold(key: StreamId, owner: object, nbytes: int, *, stacklevel: int) -> None:
     """Record one pooled event on ``key`` (the calling thread's for handle 2)
     and keep ``owner`` until it completes. Only enqueues."""
-    pool = scheduler_for(key.backend, key.device).pool
+    pool = pool_for(key.backend, key.device)
     with relaxed(key.backend):  # the pool queries events: never break a capture
         event = pool.acquire()
         try:
