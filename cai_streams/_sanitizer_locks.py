@@ -13,8 +13,11 @@ originals back; wrappers made meanwhile keep working and report nothing.
 
 Only locks the user's code makes are wrapped (``threading.Condition()`` made
 by it included): the private locks of the standard library's primitives
-(``Queue``, ``Event``, thread pools) and of this package stay plain, so they
-add no ordering beyond what each primitive promises, whatever the timing.
+(``Queue``, ``Event``, thread pools), of installed packages (site-packages:
+trio, for one, requires real locks), of generated code and of this package
+stay plain, so they add no ordering beyond what each primitive promises,
+whatever the timing. A reference to the factory kept past the sanitizer's end
+makes plain locks.
 Not seen: locks made before the sanitizer was turned on or through
 ``_thread`` directly. State those orderings with ``cs.happens_before(token)``
 / ``cs.happens_after(token)``.
@@ -114,15 +117,22 @@ def _made_by_user() -> bool:
     standard library (a ``Queue``'s or an ``Event``'s private lock orders more
     than what the primitive promises, and how much depends on timing) nor this
     package (its bookkeeping orders nothing the user's program relies on)."""
+    if _handoffs is None:  # a reference to the factory kept past uninstall()
+        return False
     frame = sys._getframe(1).f_back  # the caller of _lock / _rlock
     if frame is not None and frame.f_code is _CONDITION_INIT:
         frame = frame.f_back
     if frame is None:  # called straight from C: nobody's lock in particular
         return False
     path = frame.f_code.co_filename
-    if path.startswith(_PACKAGE_DIR) or path.startswith("<frozen"):
-        return False
-    return not path.startswith(_STDLIB_DIR) or "site-packages" in path
+    # Generated code (attrs' __init__, "<frozen ...>", "<string>") and installed
+    # packages are libraries too: their locks are their own primitives (trio
+    # checks that its locks are _thread's).
+    return not (
+        path.startswith((_PACKAGE_DIR, _STDLIB_DIR, "<"))
+        or f"{os.sep}site-packages{os.sep}" in path
+        or f"{os.sep}dist-packages{os.sep}" in path
+    )
 
 
 def _lock() -> Any:

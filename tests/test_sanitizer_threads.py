@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import pytest
@@ -395,6 +396,25 @@ def test_a_read_that_skips_the_lock_is_flagged_and_really_races() -> None:
         assert (skip_the_lock(zeros()) == 0).all()
     with pytest.raises(cs.HazardError, match="kernel 'ones'"):
         skip_the_lock(zeros())
+
+
+def test_installed_packages_generated_code_and_kept_factories_get_plain_locks() -> None:
+    """trio checks that its locks are ``_thread``'s: locks made by installed
+    packages and by generated code (attrs' ``__init__``) stay plain, and a
+    reference to the factory kept past the sanitizer's end makes plain locks."""
+    plain_r = type(_thread.RLock())
+    factory = threading.RLock  # the sanitizer is on (the project's conftest)
+    generated: dict[str, Any] = {}
+    exec("def make(factory):\n    return factory()\n", generated)  # noqa: S102 - "<string>" code
+    assert type(generated["make"](factory)) is plain_r
+    assert type(factory()) is not plain_r  # this file is the user's code
+    with cs.sanitize(False):
+        assert type(factory()) is plain_r
+
+    async def noop() -> None:
+        await anyio.lowlevel.checkpoint()
+
+    anyio.run(noop, backend="trio")  # trio made (and checks) its locks while sanitizing
 
 
 def test_locks_are_wrapped_only_while_sanitizing() -> None:
