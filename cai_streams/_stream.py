@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from . import _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
-from ._errors import CudaWarning
+from ._errors import CaptureError, CudaWarning
 from ._events import Mark, record
 from ._identity import (
     Lifetime,
@@ -319,10 +319,18 @@ class Stream:
 
         Work a consumer enqueued on it after a handoff is recorded first, so
         the producer's next write still waits for it. Safe to call twice; a
-        borrowed stream is only forgotten. Does not block.
+        borrowed stream is only forgotten. Does not block. An owned stream that
+        is capturing a graph raises :class:`~cai_streams.CaptureError` and stays
+        open: end the capture first.
         """
         if self._closed:
             return
+        if self._owned and self._backend.is_capturing(self._handle):
+            raise CaptureError(
+                f"cannot close stream {self._handle:#x}: it is capturing a graph (the capture "
+                "would be left under way, refusing the host syncs it forbids); call "
+                "end_capture() first"
+            )
         try:
             if self._owned:
                 self._end_lifetime()

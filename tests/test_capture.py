@@ -84,6 +84,20 @@ def test_begin_capture_checks_its_mode_and_is_capturing_follows_it(backend: cs.B
         cs.Graph()
 
 
+def test_closing_a_capturing_stream_raises_and_keeps_the_capture(backend: cs.Backend) -> None:
+    """Destroyed while capturing, a stream would leave its capture under way with
+    no way to end it, refusing the host syncs of every thread in global mode."""
+    s, other = cs.Stream(), cs.Stream()
+    s.begin_capture()
+    with pytest.raises(cs.CaptureError, match="end_capture"):
+        s.close()
+    assert not s.closed and s.is_capturing
+    s.end_capture().close()
+    other.synchronize()  # a host sync that a global capture under way would refuse
+    s.close()
+    assert s.closed
+
+
 def test_end_capture_raises_when_the_capture_was_invalidated(backend: cs.Backend) -> None:
     s = cs.Stream()
     s.begin_capture()
