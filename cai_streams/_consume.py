@@ -63,7 +63,7 @@ from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_async, wait_block_sync
 from ._config import settings
 from ._device import device_of
-from ._dlpack_import import Protocol, cuda_device_of, take, uses_dlpack
+from ._dlpack_import import Protocol, check_protocol, cuda_device_of, take, uses_dlpack
 from ._events import EventPool, Mark, pool_for, record
 from ._hold import ViewLease, hold_view_owner, view_done
 from ._hold_table import tick as release_holds
@@ -379,6 +379,7 @@ def _dlpack_handoff(obj: object, s: Stream | None, synced: bool, backend: Backen
 def _handoffs(
     objs: Sequence[object], stream: object, sync: object, protocol: object = None
 ) -> list[_Handoff]:
+    check_protocol(protocol)  # also for tracked objects, which never ask which
     backend = current_backend()
     release_holds()  # a bounded step: completed holds, released views
     return [_handoff(obj, stream, sync, backend, protocol) for obj in objs]

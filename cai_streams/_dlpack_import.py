@@ -30,7 +30,7 @@ from . import _dlpack
 from ._errors import CudaWarning, InterfaceError
 from ._interface import ArrayView, parse
 
-__all__ = ["DLPackOwner", "Protocol", "read_capsule", "take", "uses_dlpack"]
+__all__ = ["DLPackOwner", "Protocol", "check_protocol", "read_capsule", "take", "uses_dlpack"]
 
 Protocol = Literal["cai", "dlpack"]
 PROTOCOLS: Final = ("cai", "dlpack")
@@ -45,14 +45,19 @@ def uses_dlpack(obj: object, protocol: object) -> bool:
     May read ``obj``'s interface (user code); enqueues nothing."""
     if protocol is None:
         return has_dlpack(obj) and not _interface_names_stream(obj)
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be None, 'cai' or 'dlpack', got {protocol!r}")
+    check_protocol(protocol)
     if protocol == "dlpack" and not has_dlpack(obj):
         raise TypeError(
             f"{type(obj).__qualname__} has no __dlpack__ and __dlpack_device__ "
             "(protocol='dlpack' was asked for)"
         )
     return protocol == "dlpack"
+
+
+def check_protocol(protocol: object) -> None:
+    """ValueError unless ``protocol`` is None, ``"cai"`` or ``"dlpack"``."""
+    if protocol is not None and protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be None, 'cai' or 'dlpack', got {protocol!r}")
 
 
 def _interface_names_stream(obj: object) -> bool:

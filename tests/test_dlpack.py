@@ -604,6 +604,8 @@ async def test_the_protocol_rule(exports: None) -> None:
         await cs.consume(Layout({}), protocol="dlpack")
     t = cs.track(arr)  # a tracked array: its pending work, whatever the protocol
     assert (await cs.consume(t, protocol="dlpack")).owner is arr
+    with pytest.raises(ValueError, match="protocol must be"):  # checked for tracked ones too
+        cs.consume_blocking(t, protocol="bogus")  # type: ignore[arg-type]
 
 
 # -- the deleter runs exactly once, whatever happens ---------------------------------------
