@@ -167,3 +167,30 @@ def test_the_reuse_hazard_is_real_and_the_ordered_new_owner_is_not_flagged() -> 
         assert (_reuse(synchronize_first=False).to_host() == 1).all()  # wrong: 2 expected
     assert (_reuse(synchronize_first=True).to_host() == 2).all()
     assert not any(a.freed for seg in _sanitizer._state.shadows for a in seg.accesses())
+
+
+@pytest.mark.parametrize("synchronize_first", [False, True], ids=["too-early", "ordered"])
+def test_a_reused_block_filled_by_asarray_is_named_when_too_early(synchronize_first: bool) -> None:
+    """``sim.asarray`` writes the new owner's data from the host (a cudaMemcpy):
+    a stream still reading the freed block is named; after a synchronize, not."""
+    import gc
+
+    gc.collect()
+    s = cs.Stream()
+    x = sim.empty(64)
+    out = sim.empty(64)
+    ptr = x.ptr
+    sim.launch(s, lambda o, i: o.__setitem__(..., i), out, x, reads=[x], writes=[out],
+               duration=0.03, name="old owner's reader")  # fmt: skip
+    if synchronize_first:
+        s.synchronize()
+    del x
+    gc.collect()
+    try:
+        if synchronize_first:
+            assert sim.asarray(np.full(64, 2.0, np.float32)).ptr == ptr
+        else:
+            with pytest.raises(cs.HazardError, match="freed and reused while stream"):
+                sim.asarray(np.full(64, 2.0, np.float32))
+    finally:
+        s.synchronize()
