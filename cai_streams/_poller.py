@@ -394,9 +394,13 @@ async def wait_for_events(
     if not pending:
         await anyio.lowlevel.checkpoint()
         return
-    with anyio.fail_after(timeout):
+    if timeout is None:  # no cancel scope to enter and leave: a quicker wake
         while pending:
             pending = await _wait_once(_current_poller(), backend, pending)
+    else:
+        with anyio.fail_after(timeout):
+            while pending:
+                pending = await _wait_once(_current_poller(), backend, pending)
     del keepalive
 
 
