@@ -6,7 +6,7 @@ stream whatever N. Every method runs in the same process on the same backend:
 
 - ``cai_streams``: ``await event.wait()`` through the shared poller (what
   ``await cs.consume(arr)`` does), default policy: under asyncio and uvloop,
-  the poller woken by a doorbell (a ``sem_post`` host function on a notifier
+  the poller woken by a doorbell (a ``close`` host function on a notifier
   stream); under trio, polling only;
 - ``cai_streams doorbell``: the same with ``PollPolicy(wake="doorbell")`` (run
   under the other event loops, where it is not the default's twin);

@@ -7,8 +7,9 @@ per stream whatever N; every stream is held by a gate kernel until all waiters
 are waiting, then released at once. Methods, all in one process, asyncio:
 
 - ``cai_streams``: ``await event.wait()`` through the shared poller (what
-  ``await cs.consume(arr)`` does), default policy: a doorbell (a ``sem_post``
-  host function on a notifier stream, no Python on the driver thread) wakes
+  ``await cs.consume(arr)`` does), default policy: a doorbell (a ``close``
+  host function on a notifier stream ends a pipe the event loop watches, no
+  Python on the driver thread) wakes
   it; the goal, unverified until a GPU run: p99 wake at most 100 us at 1 to
   100 waiters, at most 2% of one core (``cpu_s / wall_s``) while waiting;
 - ``cai_streams poller``: the same with ``PollPolicy(wake="poll")``, polling only;

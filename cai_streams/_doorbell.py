@@ -1,17 +1,16 @@
-"""The doorbell: the GPU wakes the poller, and no Python runs on a driver thread.
+"""The doorbell: the GPU wakes the event loop itself, and no Python runs on a driver thread.
 
-A bell is armed for a stream's oldest pending event: on a private notifier
-stream (a *lane*) that first waits on the event, two host functions run libc's
-``sem_post``, a C function already in the process: once on the lane's own
-semaphore (which counts, exactly, the bells fired on that lane) and once on the
-doorbell's semaphore. One daemon thread blocks in ``sem_timedwait`` on the
-latter with the GIL released (ctypes releases it), collects what fired, and
-hands each event loop its fired bells in one callback
-(``call_soon_threadsafe`` under asyncio and uvloop, the trio token's
-``run_sync_soon`` under trio). A fired bell means its event is complete, so
-the poller wakes that event's waiters without a query, then makes one pass at
-once for whatever else completed. A producer's stream never waits behind a
-bell: only the lane does.
+A bell is armed for a stream's oldest pending event. It is a pipe: the event
+loop watches the read end (``add_reader`` under asyncio and uvloop, a system
+task in ``wait_readable`` under trio), and on a private notifier stream (a
+*lane*) that first waits on the event, a host function closes the write end.
+The host function is libc's ``close``, a C function already in the process,
+called by the driver's thread with the descriptor as its argument: no Python
+and no GIL there. The read end then reports end-of-file, and the loop's own
+selector wakes the loop, with no thread of ours in between. A fired bell
+means its event is complete, so the poller wakes that event's waiters without
+a query, then makes one pass at once for whatever else completed. A
+producer's stream never waits behind a bell: only the lane does.
 
 The poller stays in charge. Bells are armed when a waiter parks on an idle
 stream and once the poller has backed off to its ``cap`` (while passes keep
@@ -19,29 +18,32 @@ finding completions, polling is as prompt and cheaper); while every pending
 stream has one, the poller sleeps the policy's ``fallback`` between passes,
 and those passes still find errors (a device that faulted runs no host
 function again). A capturing stream never gets a bell, nor does anything when
-there are no POSIX semaphores here or every lane is busy: the poller's own
-cadence covers them.
+the platform has no pipes and no ``close`` to call, or every lane is busy: the
+poller's own cadence covers them.
+
+Descriptors: the library closes a bell's read end when it fires or when its
+poller ends first (the bell is *retired*; ``armed == fired + retired`` once no
+poller runs). It never closes a write end that it handed to a host function:
+that number belongs to the driver until the function runs, so it can never
+close a descriptor someone else was given meanwhile. A bell armed on a device
+that then faults therefore keeps its write end open for the life of the
+process (a faulted CUDA context is unusable anyway).
 
 A lane serves one producer stream at a time, so the bells of one stream fire
-in record order and a slow stream never holds back another stream's bell.
-Bells that can never fire (their device faulted) are retired by a sweep
-(``stats()`` runs one; arming on a faulted device retires its lane too): a
-lane found idle retires its bells that did not fire; a lane whose device
-faulted is retired whole. ``armed == fired + retired`` once nothing is pending
-and a sweep has run. A bell that fires late is harmless: the poller takes its
-waiters only if they still wait, and a pass follows every ring.
+in record order and a slow stream never holds back another stream's bell. A
+lane is free again once its bells fired, or once a query finds it idle (a
+retired bell's function may still be queued there); a lane whose device
+faulted is retired whole (``stats()`` sweeps; arming there retires it too).
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import ctypes.util
 import enum
+import os
 import threading
-import time
 import warnings
-from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Final, Literal, Protocol
 
@@ -70,11 +72,10 @@ WakeMode = Literal["auto", "doorbell", "poll"]
 WAKE_MODES: Final[tuple[WakeMode, ...]] = ("auto", "doorbell", "poll")
 #: backends where "auto" rings bells: on the simulator the benchmarks show it
 #: best (docs/performance.md); on cuda it follows from the design (a driver
-#: thread's sem_post, then one GIL hand-over) and is unverified on a GPU so far
+#: thread's close(), then the loop's own selector) and is unverified on a GPU so far
 AUTO_BACKENDS: Final = frozenset({"sim", "decoy", "cuda"})
 #: notifier streams per (backend, device); beyond this a bell is refused
 MAX_LANES: Final = 64
-_SEM_BYTES: Final = 64  # sizeof(sem_t) is 32 on glibc x86-64 and aarch64, 16 words on musl
 
 
 class BellState(enum.Enum):
@@ -82,8 +83,8 @@ class BellState(enum.Enum):
 
     UNARMED = "unarmed"
     ARMED = "armed"
-    #: could not be armed (capturing stream, no lane, no semaphores): the
-    #: poller's own cadence covers it
+    #: could not be armed (capturing stream, no lane, no pipes): the poller's
+    #: own cadence covers it
     REFUSED = "refused"
 
 
@@ -95,94 +96,47 @@ class Armable(Protocol):
     bell: BellState
 
 
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+class _Phase(enum.Enum):
+    """Where one bell stands: the loop watches its read end until it fires or
+    its poller stops watching first."""
+
+    WATCHED = "watched"
+    FIRED = "fired"
+    RETIRED = "retired"
 
 
-class _Libc:
-    """The POSIX semaphore calls, through ctypes (each releases the GIL)."""
+class _Lane:
+    """A notifier stream, and how many of its bells may still fire."""
 
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        self.sem_init = libc.sem_init
-        self.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
-        self.sem_trywait = libc.sem_trywait
-        self.sem_trywait.argtypes = [ctypes.c_void_p]
-        self.sem_timedwait = libc.sem_timedwait
-        self.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
-        self.sem_post = libc.sem_post
-        self.sem_post.argtypes = [ctypes.c_void_p]
-        #: the host function: ``int sem_post(sem_t *)`` called as ``void (*)(void *)``
-        #: (the int result is ignored, which the x86-64 and aarch64 ABIs allow)
-        self.post_address: int = ctypes.cast(libc.sem_post, ctypes.c_void_p).value or 0
+    __slots__ = ("backend", "key", "stale", "stream", "watched")
+
+    def __init__(self, backend: Backend, stream: int) -> None:
+        self.backend = backend
+        self.stream = stream
+        #: bells armed here that the loops still watch
+        self.watched = 0
+        #: a retired bell's host function may still be queued here: free only
+        #: once a query finds the lane idle
+        self.stale = False
+        #: the producer stream it serves, else None (free)
+        self.key: Hashable | None = None
 
 
-class _Semaphore:
-    """A ``sem_t`` in memory that lives as long as this object (kept while a
-    post may still come: see ``_Doorbell.kept``)."""
+class _Bell:
+    """One armed bell: the read end of its pipe, for the entry it was armed for."""
 
-    __slots__ = ("address", "buffer")
+    __slots__ = ("entry", "key", "lane", "phase", "rfd")
 
-    def __init__(self, libc: _Libc) -> None:
-        self.buffer = ctypes.create_string_buffer(_SEM_BYTES)
-        self.address: int = ctypes.addressof(self.buffer)
-        if libc.sem_init(self.address, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "sem_init failed")
-
-    def take_all(self, libc: _Libc) -> int:
-        """How many posts came since the last call (never blocks)."""
-        n = 0
-        while libc.sem_trywait(self.address) == 0:
-            n += 1
-        return n
+    def __init__(self, entry: Armable, key: Hashable, lane: _Lane, rfd: int) -> None:
+        self.entry = entry
+        self.key = key
+        self.lane = lane
+        self.rfd = rfd
+        self.phase = _Phase.WATCHED
 
 
 #: a bell that fired: the poller's entry and its queue's key (its producer stream)
 Fired = tuple[Armable, Hashable]
-
-
-class Ring:
-    """How an event loop hears of fired bells from the doorbell's thread:
-    one callback scheduled in the loop for any number of bells."""
-
-    __slots__ = ("_call", "_callback", "fired", "pending")
-
-    def __init__(
-        self, call: Callable[[Callable[[], None]], object], callback: Callable[[], None]
-    ) -> None:
-        self._call = call
-        self._callback = callback
-        self.fired: deque[Fired] = deque()  # appended by the thread, drained by the loop
-        self.pending = False
-
-    def ring(self, fired: list[Fired]) -> None:
-        """Called on the doorbell's thread."""
-        self.fired.extend(fired)
-        if self.pending:
-            return
-        self.pending = True
-        try:
-            self._call(self._callback)
-        except Exception:  # the loop has ended: nobody left to wake
-            self.pending = False
-            self.fired.clear()
-
-
-class _Lane:
-    """A notifier stream and the bells armed on it, in enqueue (firing) order."""
-
-    __slots__ = ("appended", "backend", "bells", "gone", "key", "sem", "stream")
-
-    def __init__(self, backend: Backend, stream: int, sem: _Semaphore) -> None:
-        self.backend = backend
-        self.stream = stream
-        self.sem = sem
-        self.bells: deque[tuple[Ring, Armable]] = deque()
-        #: bells ever armed here, and ever popped (fired or retired)
-        self.appended = 0
-        self.gone = 0
-        #: the producer stream it serves while bells are armed, else None (free)
-        self.key: Hashable | None = None
 
 
 class _Counters:
@@ -198,98 +152,134 @@ class _Counters:
 counters = _Counters()
 
 
+def _close_address() -> int:
+    """The address of libc's ``int close(int)``, called as ``void (*)(void *)``
+    with the descriptor as the pointer (the int result is ignored, and the int
+    argument is the low half of the register, which the x86-64 and aarch64
+    ABIs allow); 0 where there is no libc to call."""
+    if not hasattr(os, "pipe") or os.name != "posix":
+        return 0
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        return ctypes.cast(libc.close, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):
+        return 0
+
+
+def _pipe() -> tuple[int, int]:
+    """A non-blocking, close-on-exec pipe: (read end, write end)."""
+    if hasattr(os, "pipe2"):
+        return os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    rfd, wfd = os.pipe()  # macOS: already close-on-exec (PEP 446)
+    os.set_blocking(rfd, False)
+    return rfd, wfd
+
+
+def _has_fired(rfd: int) -> bool:
+    """Whether the write end of the pipe was closed (never blocks)."""
+    try:
+        return os.read(rfd, 1) == b""
+    except BlockingIOError:
+        return False
+
+
 class _Doorbell:
-    """The process's doorbell: its semaphore, its thread, every lane."""
+    """The process's lanes (shared by every event loop, so under a lock)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.libc: _Libc | None = None
-        self.sem: _Semaphore | None = None
-        self.unavailable: str | None = None
-        self.thread: threading.Thread | None = None
-        self.stopping = False
+        self._close: int | None = None  # libc's close, found on first use (0: none)
         self.lanes: dict[tuple[Backend, int], list[_Lane]] = {}
         self.serving: dict[tuple[Backend, Hashable], _Lane] = {}
-        #: semaphores of retired lanes: a late post must find live memory
-        self.kept: list[_Semaphore] = []
         #: backends that cannot launch host functions: the poller alone serves them
         self.no_host_functions: set[Backend] = set()
 
-    def available(self) -> bool:
-        if self.sem is None and self.unavailable is None:
-            try:
-                self.libc = _Libc()
-                self.sem = _Semaphore(self.libc)
-            except (OSError, AttributeError) as exc:  # no POSIX semaphores (macOS, Windows)
-                self.unavailable = f"{type(exc).__name__}: {exc}"
-        return self.sem is not None
+    def close_address(self) -> int:
+        if self._close is None:
+            self._close = _close_address()
+        return self._close
 
-    def arm(self, entry: Armable, key: Hashable, ring: Ring) -> BellState:
+    def arm(self, entry: Armable, key: Hashable) -> _Bell | None:
+        """Enqueue a bell for ``entry`` on a lane; None if none can be armed.
+        Only enqueues (a pipe, a stream wait and a host function)."""
         backend, event = entry.backend, entry.event
-        if backend in self.no_host_functions or not self.available():
-            return BellState.REFUSED
-        if _capturing(backend, key):
-            return BellState.REFUSED
-        libc, sem = self.libc, self.sem
-        assert libc is not None and sem is not None
+        close = self.close_address()
+        if not close or backend in self.no_host_functions or _capturing(backend, key):
+            return None
+        try:
+            rfd, wfd = _pipe()
+        except OSError:  # out of descriptors, say: the poller's cadence covers it
+            return None
         with self.lock:
-            lane = self.serving.get((backend, key))
-            if lane is None:
-                lane = self._free_lane(backend, key)
-                if lane is None:
-                    return BellState.REFUSED
-            try:
-                backend.stream_wait_event(lane.stream, event)
-                backend.launch_host_func(lane.stream, libc.post_address, lane.sem.address)
-                lane.bells.append((ring, entry))
-                lane.appended += 1
-                counters.armed += 1
-                backend.launch_host_func(lane.stream, libc.post_address, sem.address)
-            except CudaError:  # a faulted device, say: the poller finds the error
-                self._retire_lane(lane)
-                return BellState.REFUSED
-            except OSError:  # the driver library has no cuLaunchHostFunc here
-                self.no_host_functions.add(backend)
-                self._retire_lane(lane)
-                return BellState.REFUSED
-            self._start()
-        return BellState.ARMED
+            lane = self.serving.get((backend, key)) or self._free_lane(backend, key)
+            if lane is not None:
+                try:
+                    backend.stream_wait_event(lane.stream, event)
+                    backend.launch_host_func(lane.stream, close, wfd)
+                except CudaError:  # a faulted device, say: the poller finds the error
+                    self._retire_lane(lane)
+                    lane = None
+                except OSError:  # the driver library has no cuLaunchHostFunc here
+                    self.no_host_functions.add(backend)
+                    self._retire_lane(lane)
+                    lane = None
+                else:  # from here on the write end is the driver's to close
+                    lane.watched += 1
+                    counters.armed += 1
+                    return _Bell(entry, key, lane, rfd)
+        os.close(rfd)  # never handed over: both ends are still ours
+        os.close(wfd)
+        return None
 
     def _free_lane(self, backend: Backend, key: Hashable) -> _Lane | None:
+        """Lock held."""
         device = key.device if isinstance(key, StreamId) else backend.current_device()
         pool = self.lanes.setdefault((backend, device), [])
-        lane = next((lane for lane in pool if lane.key is None), None)
+        lane = next((lane for lane in pool if lane.key is None), None) or self._reclaim(pool)
         if lane is None:
             if len(pool) >= MAX_LANES:
                 return None
-            assert self.libc is not None
             try:
                 stream = backend.create_stream(device)
             except CudaError:
                 return None
-            lane = _Lane(backend, stream, _Semaphore(self.libc))
+            lane = _Lane(backend, stream)
             pool.append(lane)
             counters.lanes += 1
         lane.key = key
         self.serving[(backend, key)] = lane
         return lane
 
+    def _reclaim(self, pool: list[_Lane]) -> _Lane | None:
+        """Lock held: free the first lane whose bells all stopped being watched
+        and that a query finds idle (their host functions ran), so that a
+        service making a stream per request never runs out of lanes."""
+        for lane in pool:
+            if lane.stale and not lane.watched:
+                try:
+                    with relaxed(lane.backend):
+                        idle = lane.backend.query_stream(lane.stream)
+                except CudaError:  # its device faulted
+                    continue
+                if idle:
+                    self._release(lane)
+                    return lane
+        return None
+
     def _release(self, lane: _Lane) -> None:
-        """Lock held: ``lane`` has no bell left; another stream may use it."""
+        """Lock held: no bell of ``lane`` can still fire; another stream may use it."""
+        lane.stale = False
         if lane.key is not None:
             self.serving.pop((lane.backend, lane.key), None)
             lane.key = None
 
     def _retire_lane(self, lane: _Lane) -> None:
-        """Lock held: its bells will never fire (its device faulted)."""
-        counters.retired += len(lane.bells)
-        lane.bells.clear()
+        """Lock held: its device faulted; its bells will never fire."""
         self._release(lane)
         for pool in self.lanes.values():
             if lane in pool:
                 pool.remove(lane)
                 counters.lanes -= 1
-        self.kept.append(lane.sem)
         try:
             lane.backend.destroy_stream(lane.stream)
         except CudaError as exc:
@@ -297,65 +287,27 @@ class _Doorbell:
                 f"leaked notifier stream {lane.stream:#x}: {exc}", CudaWarning, stacklevel=2
             )
 
-    def _fired(self, lane: _Lane, rings: dict[Ring, list[Fired]]) -> None:
-        """Lock held: pop the bells of ``lane`` that fired since the last look."""
-        assert self.libc is not None
-        n = min(lane.sem.take_all(self.libc), len(lane.bells))
-        for _ in range(n):
-            ring, entry = lane.bells.popleft()
-            rings.setdefault(ring, []).append((entry, lane.key))
-        lane.gone += n
-        counters.fired += n
-        if not lane.bells:
-            self._release(lane)
-
-    # -- the thread ------------------------------------------------------------------
-
-    def _start(self) -> None:
-        """Lock held."""
-        if self.thread is None:
-            self.thread = threading.Thread(
-                target=self._run, name="cai_streams doorbell", daemon=True
-            )
-            self.thread.start()
-
-    def _run(self) -> None:
-        libc, sem = self.libc, self.sem
-        assert libc is not None and sem is not None
-        deadline = _Timespec()
-        while not self.stopping:
-            now = time.time() + 1.0  # bounded, so that exit never waits on it
-            deadline.tv_sec, deadline.tv_nsec = int(now), int(now % 1 * 1e9)
-            if libc.sem_timedwait(sem.address, ctypes.byref(deadline)) != 0:
-                continue  # timed out, or interrupted
-            sem.take_all(libc)  # coalesce: one look covers every post so far
-            rings: dict[Ring, list[Fired]] = {}
-            with self.lock:
-                for pool in self.lanes.values():
-                    for lane in pool:
-                        if lane.bells:
-                            self._fired(lane, rings)
-            for ring, fired in rings.items():
-                ring.ring(fired)
-
-    def stop(self) -> None:
-        self.stopping = True
-        thread, sem, libc = self.thread, self.sem, self.libc
-        if thread is not None and sem is not None and libc is not None:
-            libc.sem_post(sem.address)
-            thread.join(2.0)
-
-    # -- the sweep -------------------------------------------------------------------
+    def done(self, bell: _Bell, phase: _Phase) -> None:
+        """The loop stopped watching ``bell`` (it fired, or was retired)."""
+        bell.phase = phase
+        with self.lock:
+            lane = bell.lane
+            lane.watched -= 1
+            if phase is _Phase.FIRED:
+                counters.fired += 1
+            else:
+                counters.retired += 1
+                lane.stale = True
+            if not lane.watched and not lane.stale:
+                self._release(lane)
 
     def sweep(self) -> None:
-        """Account for bells that can no longer fire. Makes one stream query per
-        lane with bells armed; never blocks."""
+        """Free the lanes found idle whose bells all stopped being watched, and
+        retire those whose device faulted. One stream query per busy lane;
+        never blocks."""
         with self.lock:
-            busy = [
-                (lane, lane.appended) for pool in self.lanes.values() for lane in pool if lane.bells
-            ]
-        rings: dict[Ring, list[Fired]] = {}
-        for lane, cutoff in busy:
+            busy = [lane for pool in self.lanes.values() for lane in pool if lane.key is not None]
+        for lane in busy:
             try:
                 with relaxed(lane.backend):  # never invalidates another thread's capture
                     idle = lane.backend.query_stream(lane.stream)
@@ -363,20 +315,10 @@ class _Doorbell:
                 with self.lock:
                     self._retire_lane(lane)
                 continue
-            if not idle:
-                continue
-            with self.lock:
-                self._fired(lane, rings)
-                # every bell armed before the query has run, or never will
-                lost = min(len(lane.bells), max(0, cutoff - lane.gone))
-                for _ in range(lost):
-                    lane.bells.popleft()
-                lane.gone += lost
-                counters.retired += lost
-                if not lane.bells:
-                    self._release(lane)
-        for ring, fired in rings.items():
-            ring.ring(fired)
+            if idle:
+                with self.lock:
+                    if not lane.watched:
+                        self._release(lane)
 
 
 def _capturing(backend: Backend, key: Hashable) -> bool:
@@ -393,7 +335,6 @@ def _capturing(backend: Backend, key: Hashable) -> bool:
 
 
 _doorbell = _Doorbell()
-atexit.register(_doorbell.stop)
 
 
 def stats() -> dict[str, int]:
@@ -407,9 +348,7 @@ def stats() -> dict[str, int]:
     }
 
 
-#: event loops where "auto" rings bells. Under trio the benchmarks on the
-#: simulator showed a worse p99 wake with bells than polling alone at 100 and
-#: 1,000 waiters (docs/performance.md), so "auto" polls there
+#: event loops where "auto" rings bells (see docs/performance.md)
 AUTO_LOOPS: Final = frozenset({"asyncio"})
 
 
@@ -422,44 +361,101 @@ def wants_doorbell(mode: WakeMode, backend: Backend, library: str) -> bool:
 
 
 class PollerBells:
-    """One poller's side: arming its queues' heads, handing it the bells that
-    fired, and the sleep between passes. Lives in the event loop's thread."""
+    """One poller's side: arming its queues' heads, watching their read ends in
+    its event loop, handing it the bells that fired, and the sleep between
+    passes. Lives in the event loop's thread."""
 
     def __init__(self, rang: Callable[[list[Fired]], None]) -> None:
         #: the poller's handler of fired bells (called in the loop)
         self._poller_rang = rang
-        self._ring: Ring | None = None
         self._library = ""  # the event loop's async library, known once bound
+        self._watch: Callable[[_Bell], None] | None = None
+        self._unwatch: Callable[[_Bell], None] = _no_unwatch
+        self._watched: set[_Bell] = set()
         self._wake: anyio.Event | None = None
         self._rung = False
 
-    def _bound(self) -> Ring:
-        ring = self._ring
-        if ring is None:
-            call: Callable[[Callable[[], None]], object]
+    def _bind(self) -> Callable[[_Bell], None]:
+        watch = self._watch
+        if watch is None:
             self._library = sniffio.current_async_library()
             if self._library == "trio":
                 import trio
 
-                call = trio.lowlevel.current_trio_token().run_sync_soon
+                def watch(bell: _Bell) -> None:
+                    trio.lowlevel.spawn_system_task(
+                        self._wait_readable, bell, name="cai_streams doorbell"
+                    )
+
+                self._unwatch = _trio_unwatch
             else:  # asyncio, uvloop
                 import asyncio
 
-                call = asyncio.get_running_loop().call_soon_threadsafe
-            ring = self._ring = Ring(call, self._rang)
-        return ring
+                loop = asyncio.get_running_loop()
 
-    def _rang(self) -> None:
-        """In the loop's thread: bells fired."""
-        ring = self._ring
-        if ring is None:
+                def readable(bell: _Bell) -> None:
+                    # Nothing is ever written to the pipe, so readable means
+                    # end-of-file: the host function ran. Wake the waiters
+                    # first, then make the system calls (each releases the
+                    # GIL, which the notifier stream's thread would take)
+                    # after they have resumed.
+                    if bell.phase is _Phase.WATCHED:
+                        self._poller_rang([(bell.entry, bell.key)])
+                        self._stop_watching(bell, _Phase.FIRED, later=loop.call_soon)
+
+                def watch(bell: _Bell) -> None:
+                    loop.add_reader(bell.rfd, readable, bell)
+
+                def unwatch(bell: _Bell) -> None:
+                    if not loop.is_closed():  # a closed loop watches nothing
+                        loop.remove_reader(bell.rfd)
+
+                self._unwatch = unwatch
+            self._watch = watch
+        return watch
+
+    async def _wait_readable(self, bell: _Bell) -> None:
+        """trio: a system task per bell (cancelled when the run ends)."""
+        import trio
+
+        try:
+            if bell.phase is _Phase.WATCHED:  # never touch a read end closed meanwhile
+                await trio.lowlevel.wait_readable(bell.rfd)  # end-of-file: it ran
+                if bell.phase is _Phase.WATCHED:
+                    self._poller_rang([(bell.entry, bell.key)])
+                    self._stop_watching(bell, _Phase.FIRED)
+        except trio.ClosedResourceError:
+            pass  # retired: its read end was closed
+        finally:
+            if bell.phase is _Phase.WATCHED:  # the run is ending
+                self._retire(bell)
+
+    def _retire(self, bell: _Bell) -> None:
+        # it may have fired just now, its callback not yet run: say so
+        self._stop_watching(bell, _Phase.FIRED if _has_fired(bell.rfd) else _Phase.RETIRED)
+
+    def _stop_watching(
+        self, bell: _Bell, phase: _Phase, later: Callable[..., object] | None = None
+    ) -> None:
+        """Account for ``bell`` now; close its read end now, or through ``later``."""
+        if bell.phase is not _Phase.WATCHED:
             return
-        ring.pending = False
-        fired = []
-        while ring.fired:
-            fired.append(ring.fired.popleft())
-        if fired:
-            self._poller_rang(fired)
+        _doorbell.done(bell, phase)
+        self._watched.discard(bell)
+        if later is None:
+            self._close_read_end(bell)
+        else:
+            later(self._close_read_end, bell)
+
+    def _close_read_end(self, bell: _Bell) -> None:
+        self._unwatch(bell)
+        os.close(bell.rfd)
+
+    def retire_all(self) -> None:
+        """The poller ended: stop watching every bell still armed. Their host
+        functions still close their write ends; nothing waits for that."""
+        for bell in list(self._watched):
+            self._retire(bell)
 
     def wake_now(self) -> None:
         """End the current sleep between passes (or the next one) at once."""
@@ -471,12 +467,21 @@ class PollerBells:
         """Arm a bell for ``entry`` (a queue's head) if the policy wants one."""
         if entry.bell is not BellState.UNARMED:
             return
-        ring = self._bound()
+        watch = self._bind()
         if not wants_doorbell(mode, entry.backend, self._library):
             return
-        entry.bell = _doorbell.arm(entry, key, ring)
-        if entry.bell is BellState.REFUSED:
+        bell = _doorbell.arm(entry, key)
+        if bell is None:
+            entry.bell = BellState.REFUSED
             self.wake_now()  # the poller's own cadence takes over
+            return
+        entry.bell = BellState.ARMED
+        self._watched.add(bell)
+        try:
+            watch(bell)
+        except BaseException:
+            self._retire(bell)
+            raise
 
     async def sleep(
         self,
@@ -512,3 +517,13 @@ class PollerBells:
         finally:
             self._wake = None
             self._rung = False
+
+
+def _no_unwatch(bell: _Bell) -> None:
+    """Before the poller is bound, nothing is watched."""
+
+
+def _trio_unwatch(bell: _Bell) -> None:
+    import trio
+
+    trio.lowlevel.notify_closing(bell.rfd)  # its task wakes with ClosedResourceError

@@ -57,9 +57,9 @@ class PollPolicy:
     on Linux, so sleeps below 1 ms act as about 1 ms there.
 
     ``wake`` says whether a doorbell wakes the poller: ``"doorbell"`` arms, on
-    a private notifier stream, a C host function (libc ``sem_post``, no
-    Python) after the oldest pending event of each stream, and a thread that
-    waits on it with the GIL released wakes the event loop at once; while
+    a private notifier stream, a C host function (libc ``close`` on a pipe
+    the event loop watches, no Python) after the oldest pending event of
+    each stream, and the loop's own selector wakes it at once; while
     every pending stream has one armed, the poller sleeps ``fallback`` seconds
     between passes (the passes that still find errors and anything a bell
     missed). ``"poll"`` never arms one. ``"auto"`` (the default) rings bells
@@ -235,7 +235,9 @@ class _Poller:
                     counters.wakes += len(head.waiters)
                 if head is entry:
                     break
-            if not queue:
+            if queue:  # a bell that won keeps its stream rung: arm the next head now
+                self.bells.arm(queue[0], key, _policy.wake)
+            else:
                 del self.queues[key]
         self.bells.wake_now()
 
@@ -283,6 +285,8 @@ class _Poller:
                 if await self._pass() or self.new_waiter:
                     self.new_waiter = False
                     delays = iter(_policy.delays())
+                if not self.queues:
+                    break  # end now, before the waiters just woken resume
                 policy = _policy
                 await self.bells.sleep(
                     next(delays), self.queues, policy.wake, policy.cap, policy.fallback
@@ -297,6 +301,7 @@ class _Poller:
             return
         self.running = False
         self._task = None
+        self.bells.retire_all()
         queues, self.queues = self.queues, {}
         self.entries = {}
         for queue in queues.values():

@@ -195,11 +195,12 @@ def stats() -> dict[str, int]:
     every device (``cs.hold``, views handed to a stream), ``holds`` (in
     flight), ``hold_bytes`` (bytes their owners say they have), ``holds_made``
     and ``holds_released``; for the doorbell (process-wide),
-    ``doorbells_armed``, ``doorbells_fired``, ``doorbells_retired`` (never to
-    fire: their device faulted) and ``doorbell_lanes`` (notifier streams):
-    once nothing is pending, armed == fired + retired. Does not block:
-    completed holds are released first (it makes one stream query per
-    notifier stream with a bell armed).
+    ``doorbells_armed``, ``doorbells_fired``, ``doorbells_retired`` (no
+    longer watched before they fired: their poller ended first, or their
+    device faulted) and ``doorbell_lanes`` (notifier streams): once no
+    poller runs, armed == fired + retired. Does not block: completed holds
+    are released first (it makes one stream query per notifier stream in
+    use).
     """
     holds.sweep()
     backend = current_backend()

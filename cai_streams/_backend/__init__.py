@@ -164,7 +164,7 @@ class Backend(ABC):
         on ``stream`` (cudaLaunchHostFunc): it runs on a driver thread once the
         work enqueued before it is complete, and later work waits for it to
         return. ``fn`` must be a ``void (*)(void *)`` that runs no Python and
-        never calls CUDA: the library passes libc's ``sem_post``. It never runs
+        never calls CUDA: the library passes libc's ``close``. It never runs
         after the device has faulted. Only enqueues.
         """
 
