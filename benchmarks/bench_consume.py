@@ -5,11 +5,11 @@ kernels (random durations) run on up to 16 streams, about 0.4 s of work per
 stream whatever N. Every method runs in the same process on the same backend:
 
 - ``cai_streams``: ``await event.wait()`` through the shared poller (what
-  ``await cs.consume(arr)`` does), default policy: under asyncio and uvloop,
-  the poller woken by a doorbell (a ``close`` host function on a notifier
-  stream); under trio, polling only;
-- ``cai_streams doorbell``: the same with ``PollPolicy(wake="doorbell")`` (run
-  under the other event loops, where it is not the default's twin);
+  ``await cs.consume(arr)`` does), default policy: the poller woken by a
+  doorbell (a ``close`` host function on a notifier stream ends a pipe the
+  event loop watches);
+- ``cai_streams doorbell``: the same with ``PollPolicy(wake="doorbell")`` (the
+  default's twin on the simulator);
 - ``cai_streams poller``: the same with ``PollPolicy(wake="poll")``: polling
   only, the default before the doorbell;
 - ``cai_streams low-latency``: the same with ``PollPolicy.low_latency()``;

@@ -29,11 +29,13 @@ close a descriptor someone else was given meanwhile. A bell armed on a device
 that then faults therefore keeps its write end open for the life of the
 process (a faulted CUDA context is unusable anyway).
 
-A lane serves one producer stream at a time, so the bells of one stream fire
-in record order and a slow stream never holds back another stream's bell. A
-lane is free again once its bells fired, or once a query finds it idle (a
-retired bell's function may still be queued there); a lane whose device
-faulted is retired whole (``stats()`` sweeps; arming there retires it too).
+A lane serves one producer stream at a time, so a slow stream never holds
+back another stream's bell, and its bells are enqueued in record order: a
+bell for an event recorded before one already belled there (its waiter came
+later) takes another lane rather than wait behind it. A lane is free again
+once its bells fired, or once a query finds it idle (a retired bell's
+function may still be queued there); a lane whose device faulted is retired
+whole (``stats()`` sweeps; arming there retires it too).
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ from ._identity import StreamId, thread_serial
 
 __all__ = [
     "AUTO_BACKENDS",
-    "AUTO_LOOPS",
     "WAKE_MODES",
     "BellState",
     "PollerBells",
@@ -93,6 +94,8 @@ class Armable(Protocol):
 
     backend: Backend
     event: int
+    #: its place in its stream's record order (-1: a lone event)
+    seq: int
     bell: BellState
 
 
@@ -108,11 +111,14 @@ class _Phase(enum.Enum):
 class _Lane:
     """A notifier stream, and how many of its bells may still fire."""
 
-    __slots__ = ("backend", "key", "stale", "stream", "watched")
+    __slots__ = ("backend", "key", "stale", "stream", "tail", "watched")
 
     def __init__(self, backend: Backend, stream: int) -> None:
         self.backend = backend
         self.stream = stream
+        #: the record-order place of the last bell enqueued here: a bell for
+        #: an earlier event must not wait behind it, so it takes another lane
+        self.tail = -1
         #: bells armed here that the loops still watch
         self.watched = 0
         #: a retired bell's host function may still be queued here: free only
@@ -190,7 +196,9 @@ class _Doorbell:
         self.lock = threading.Lock()
         self._close: int | None = None  # libc's close, found on first use (0: none)
         self.lanes: dict[tuple[Backend, int], list[_Lane]] = {}
-        self.serving: dict[tuple[Backend, Hashable], _Lane] = {}
+        #: the lanes serving each producer stream (more than one only when
+        #: waiters arrived out of record order)
+        self.serving: dict[tuple[Backend, Hashable], list[_Lane]] = {}
         #: backends that cannot launch host functions: the poller alone serves them
         self.no_host_functions: set[Backend] = set()
 
@@ -211,7 +219,7 @@ class _Doorbell:
         except OSError:  # out of descriptors, say: the poller's cadence covers it
             return None
         with self.lock:
-            lane = self.serving.get((backend, key)) or self._free_lane(backend, key)
+            lane = self._lane_for(backend, key, entry.seq)
             if lane is not None:
                 try:
                     backend.stream_wait_event(lane.stream, event)
@@ -225,11 +233,20 @@ class _Doorbell:
                     lane = None
                 else:  # from here on the write end is the driver's to close
                     lane.watched += 1
+                    lane.tail = entry.seq
                     counters.armed += 1
                     return _Bell(entry, key, lane, rfd)
         os.close(rfd)  # never handed over: both ends are still ours
         os.close(wfd)
         return None
+
+    def _lane_for(self, backend: Backend, key: Hashable, seq: int) -> _Lane | None:
+        """Lock held: a lane of ``key`` where nothing later in its record order
+        is queued, else a free one."""
+        for lane in self.serving.get((backend, key), ()):
+            if lane.tail <= seq:
+                return lane
+        return self._free_lane(backend, key)
 
     def _free_lane(self, backend: Backend, key: Hashable) -> _Lane | None:
         """Lock held."""
@@ -247,7 +264,7 @@ class _Doorbell:
             pool.append(lane)
             counters.lanes += 1
         lane.key = key
-        self.serving[(backend, key)] = lane
+        self.serving.setdefault((backend, key), []).append(lane)
         return lane
 
     def _reclaim(self, pool: list[_Lane]) -> _Lane | None:
@@ -269,8 +286,13 @@ class _Doorbell:
     def _release(self, lane: _Lane) -> None:
         """Lock held: no bell of ``lane`` can still fire; another stream may use it."""
         lane.stale = False
+        lane.tail = -1
         if lane.key is not None:
-            self.serving.pop((lane.backend, lane.key), None)
+            lanes = self.serving.get((lane.backend, lane.key), [])
+            if lane in lanes:
+                lanes.remove(lane)
+            if not lanes:
+                self.serving.pop((lane.backend, lane.key), None)
             lane.key = None
 
     def _retire_lane(self, lane: _Lane) -> None:
@@ -348,16 +370,11 @@ def stats() -> dict[str, int]:
     }
 
 
-#: event loops where "auto" rings bells (see docs/performance.md)
-AUTO_LOOPS: Final = frozenset({"asyncio"})
-
-
-def wants_doorbell(mode: WakeMode, backend: Backend, library: str) -> bool:
-    """Whether the policy's wake mode rings bells on ``backend`` under the
-    async ``library`` (sniffio's name), where it can."""
+def wants_doorbell(mode: WakeMode, backend: Backend) -> bool:
+    """Whether the policy's wake mode rings bells on ``backend``, where it can."""
     if mode == "poll":
         return False
-    return mode == "doorbell" or (backend.name in AUTO_BACKENDS and library in AUTO_LOOPS)
+    return mode == "doorbell" or backend.name in AUTO_BACKENDS
 
 
 class PollerBells:
@@ -368,7 +385,6 @@ class PollerBells:
     def __init__(self, rang: Callable[[list[Fired]], None]) -> None:
         #: the poller's handler of fired bells (called in the loop)
         self._poller_rang = rang
-        self._library = ""  # the event loop's async library, known once bound
         self._watch: Callable[[_Bell], None] | None = None
         self._unwatch: Callable[[_Bell], None] = _no_unwatch
         self._watched: set[_Bell] = set()
@@ -378,8 +394,7 @@ class PollerBells:
     def _bind(self) -> Callable[[_Bell], None]:
         watch = self._watch
         if watch is None:
-            self._library = sniffio.current_async_library()
-            if self._library == "trio":
+            if sniffio.current_async_library() == "trio":
                 import trio
 
                 def watch(bell: _Bell) -> None:
@@ -465,11 +480,9 @@ class PollerBells:
 
     def arm(self, entry: Armable, key: Hashable, mode: WakeMode) -> None:
         """Arm a bell for ``entry`` (a queue's head) if the policy wants one."""
-        if entry.bell is not BellState.UNARMED:
+        if entry.bell is not BellState.UNARMED or not wants_doorbell(mode, entry.backend):
             return
         watch = self._bind()
-        if not wants_doorbell(mode, entry.backend, self._library):
-            return
         bell = _doorbell.arm(entry, key)
         if bell is None:
             entry.bell = BellState.REFUSED

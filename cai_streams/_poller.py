@@ -63,10 +63,9 @@ class PollPolicy:
     every pending stream has one armed, the poller sleeps ``fallback`` seconds
     between passes (the passes that still find errors and anything a bell
     missed). ``"poll"`` never arms one. ``"auto"`` (the default) rings bells
-    where that is best: under asyncio and uvloop, on the simulator (measured)
-    and on cuda (by design, unverified on a GPU so far); under trio it polls
-    (bells gave a worse p99 there on the simulator). A capturing stream never
-    gets a bell; the poller's own cadence covers it.
+    where that is best: on the simulator (measured under asyncio, uvloop and
+    trio) and on cuda (by design, unverified on a GPU so far). A capturing
+    stream never gets a bell; the poller's own cadence covers it.
 
     ``PollPolicy()`` is the default: 2 spin passes, then 0.1 ms doubling to
     1 ms, a doorbell where it helps, and a 10 ms fallback while it is armed.

@@ -114,6 +114,33 @@ async def test_a_stream_that_completes_first_is_not_held_behind_a_slow_one() -> 
     assert woke["fast"] < woke["slow"] / 2, woke
 
 
+async def test_an_earlier_event_waited_on_later_is_not_held_behind_a_later_one() -> None:
+    """Waiters arrive out of record order (trio starts tasks in any order): the
+    later event's bell is armed first, then the earlier one becomes its
+    stream's head. Its bell must not queue behind the later event's wait: it
+    rings when its own kernel ends, not when the slow kernel after it does
+    (there, the only earlier wake would be a pass, SLOW apart)."""
+    cs.use_backend("sim")
+    cs.configure(poll=_sleepy("doorbell"))
+    s = cs.Stream()
+    sim.launch(s, lambda: None, duration=0.02)
+    early = s.record()
+    sim.launch(s, lambda: None, duration=SLOW * 2)
+    late = s.record()
+    woke: dict[str, float] = {}
+    start = time.perf_counter()
+
+    async def wait(name: str, event: cs.Event) -> None:
+        await event.wait()
+        woke[name] = time.perf_counter() - start
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait, "late", late)
+        await anyio.sleep(0.005)  # the later event's bell is armed first
+        tg.start_soon(wait, "early", early)
+    assert woke["early"] < woke["late"] / 4, woke
+
+
 async def test_cancelled_and_timed_out_waiters_leak_no_bell(ops: DeviceOps) -> None:
     if ops.name != "sim":
         pytest.skip("the sim's counters; the GPU tier runs the same code")
@@ -251,6 +278,7 @@ class _Entry:
     def __init__(self, backend: cs.Backend, event: int) -> None:
         self.backend = backend
         self.event = event
+        self.seq = -1
         self.bell = _doorbell.BellState.UNARMED
 
 
@@ -379,14 +407,17 @@ async def test_without_host_functions_the_poller_alone_serves(
     assert cs.stats()["doorbells_armed"] == before
 
 
-async def test_auto_rings_under_asyncio_and_polls_under_trio(anyio_backend: str) -> None:
-    """The default follows the benchmarks: bells under asyncio, polling under trio."""
+async def test_auto_rings_on_the_simulator_and_poll_never_does() -> None:
+    """The default follows the benchmarks: bells on the simulator, under every
+    event loop; ``wake="poll"`` (the control) arms none."""
     cs.use_backend("sim")
-    cs.configure(poll=cs.PollPolicy())
-    before = cs.stats()["doorbells_armed"]
-    await _time_one_wait(0.005)
-    armed = cs.stats()["doorbells_armed"] - before
-    assert armed == (1 if anyio_backend == "asyncio" else 0)
+    armed = []
+    for policy in (cs.PollPolicy(), cs.PollPolicy(wake="poll")):
+        cs.configure(poll=policy)
+        before = cs.stats()["doorbells_armed"]
+        await _time_one_wait(0.005)
+        armed.append(cs.stats()["doorbells_armed"] - before)
+    assert armed == [1, 0]
 
 
 async def test_lanes_left_by_retired_bells_are_reclaimed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -395,8 +426,10 @@ async def test_lanes_left_by_retired_bells_are_reclaimed(monkeypatch: pytest.Mon
     Once those lanes are idle, later streams reuse them: with two lanes at
     most, the last stream still gets a bell (control: without the reclaim it
     is refused, and polling alone serves it)."""
-    cs.use_backend("sim")
+    backend = cs.use_backend("sim")
     monkeypatch.setattr(_doorbell, "MAX_LANES", 2)
+    doorbell = _doorbell._Doorbell()  # no lanes yet: earlier tests left some free
+    monkeypatch.setattr(_doorbell, "_doorbell", doorbell)
     cs.configure(poll=cs.PollPolicy(wake="doorbell"))
     before = _settled()
     for _ in range(4):
@@ -415,4 +448,10 @@ async def test_lanes_left_by_retired_bells_are_reclaimed(monkeypatch: pytest.Mon
     armed = _doorbell.counters.armed
     await _time_one_wait(0.005)
     assert _doorbell.counters.armed - armed == 1
-    assert cs.stats()["doorbell_lanes"] <= 2
+    await _poller_ended()
+    lanes = [lane for pool in doorbell.lanes.values() for lane in pool]
+    assert len(lanes) <= 2
+    for lane in lanes:
+        backend.synchronize_stream(lane.stream)
+        backend.destroy_stream(lane.stream)
+    _doorbell.counters.lanes -= len(lanes)
