@@ -27,7 +27,9 @@ poller runs). It never closes a write end that it handed to a host function:
 that number belongs to the driver until the function runs, so it can never
 close a descriptor someone else was given meanwhile. A bell armed on a device
 that then faults therefore keeps its write end open for the life of the
-process (a faulted CUDA context is unusable anyway).
+process (a faulted CUDA context is unusable anyway). The doorbell holds at
+most ``MAX_FDS`` descriptors (``stats()["doorbell_fds"]``): beyond that,
+bells are refused and the poller's cadence serves.
 
 A lane serves one producer stream at a time, so a slow stream never holds
 back another stream's bell, and its bells are enqueued in record order: a
@@ -77,6 +79,9 @@ WAKE_MODES: Final[tuple[WakeMode, ...]] = ("auto", "doorbell", "poll")
 AUTO_BACKENDS: Final = frozenset({"sim", "decoy", "cuda"})
 #: notifier streams per (backend, device); beyond this a bell is refused
 MAX_LANES: Final = 64
+#: file descriptors the doorbell holds at most (two per armed bell; a retired
+#: bell's write end until its lane is found idle); beyond this a bell is refused
+MAX_FDS: Final = 256
 
 
 class BellState(enum.Enum):
@@ -111,7 +116,7 @@ class _Phase(enum.Enum):
 class _Lane:
     """A notifier stream, and how many of its bells may still fire."""
 
-    __slots__ = ("backend", "key", "stale", "stream", "tail", "watched")
+    __slots__ = ("backend", "key", "stream", "tail", "unsure", "watched")
 
     def __init__(self, backend: Backend, stream: int) -> None:
         self.backend = backend
@@ -121,9 +126,9 @@ class _Lane:
         self.tail = -1
         #: bells armed here that the loops still watch
         self.watched = 0
-        #: a retired bell's host function may still be queued here: free only
-        #: once a query finds the lane idle
-        self.stale = False
+        #: retired bells whose host functions may still be queued here (their
+        #: write ends still open): free only once a query finds the lane idle
+        self.unsure = 0
         #: the producer stream it serves, else None (free)
         self.key: Hashable | None = None
 
@@ -195,6 +200,8 @@ class _Doorbell:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._close: int | None = None  # libc's close, found on first use (0: none)
+        #: descriptors held now: read ends not closed, write ends not known closed
+        self.fds = 0
         self.lanes: dict[tuple[Backend, int], list[_Lane]] = {}
         #: the lanes serving each producer stream (more than one only when
         #: waiters arrived out of record order)
@@ -214,11 +221,16 @@ class _Doorbell:
         close = self.close_address()
         if not close or backend in self.no_host_functions or _capturing(backend, key):
             return None
-        try:
-            rfd, wfd = _pipe()
-        except OSError:  # out of descriptors, say: the poller's cadence covers it
-            return None
         with self.lock:
+            if self.fds + 2 > MAX_FDS:
+                self._reclaim_fds()
+                if self.fds + 2 > MAX_FDS:
+                    return None  # the poller's cadence covers it
+            try:
+                rfd, wfd = _pipe()
+            except OSError:  # out of descriptors, say
+                return None
+            self.fds += 2
             lane = self._lane_for(backend, key, entry.seq)
             if lane is not None:
                 try:
@@ -236,6 +248,7 @@ class _Doorbell:
                     lane.tail = entry.seq
                     counters.armed += 1
                     return _Bell(entry, key, lane, rfd)
+            self.fds -= 2
         os.close(rfd)  # never handed over: both ends are still ours
         os.close(wfd)
         return None
@@ -272,20 +285,39 @@ class _Doorbell:
         and that a query finds idle (their host functions ran), so that a
         service making a stream per request never runs out of lanes."""
         for lane in pool:
-            if lane.stale and not lane.watched:
-                try:
-                    with relaxed(lane.backend):
-                        idle = lane.backend.query_stream(lane.stream)
-                except CudaError:  # its device faulted
-                    continue
-                if idle:
-                    self._release(lane)
-                    return lane
+            if lane.unsure and not lane.watched and self._idle(lane):
+                self._drained(lane)
+                return lane
         return None
+
+    def _reclaim_fds(self) -> None:
+        """Lock held: count the write ends of retired bells closed where a
+        query finds their lane idle (waiters that keep timing out on a long
+        kernel leave one per wait)."""
+        for pool in self.lanes.values():
+            for lane in pool:
+                if lane.unsure and self._idle(lane):
+                    self._drained(lane)
+
+    @staticmethod
+    def _idle(lane: _Lane) -> bool:
+        """Whether every host function enqueued on ``lane`` has run. Never blocks."""
+        try:
+            with relaxed(lane.backend):  # never invalidates another thread's capture
+                return lane.backend.query_stream(lane.stream)
+        except CudaError:  # its device faulted: they never will
+            return False
+
+    def _drained(self, lane: _Lane) -> None:
+        """Lock held: a query found ``lane`` idle, so its retired bells' write
+        ends are closed; free it if no bell is watched there."""
+        self.fds -= lane.unsure
+        lane.unsure = 0
+        if not lane.watched:
+            self._release(lane)
 
     def _release(self, lane: _Lane) -> None:
         """Lock held: no bell of ``lane`` can still fire; another stream may use it."""
-        lane.stale = False
         lane.tail = -1
         if lane.key is not None:
             lanes = self.serving.get((lane.backend, lane.key), [])
@@ -296,7 +328,8 @@ class _Doorbell:
             lane.key = None
 
     def _retire_lane(self, lane: _Lane) -> None:
-        """Lock held: its device faulted; its bells will never fire."""
+        """Lock held: its device faulted; its bells will never fire, and the
+        write ends of its retired bells stay open (and counted) for good."""
         self._release(lane)
         for pool in self.lanes.values():
             if lane in pool:
@@ -310,17 +343,20 @@ class _Doorbell:
             )
 
     def done(self, bell: _Bell, phase: _Phase) -> None:
-        """The loop stopped watching ``bell`` (it fired, or was retired)."""
+        """The loop stopped watching ``bell``: it fired (both ends closed), or
+        was retired (its read end closed; its write end not known to be)."""
         bell.phase = phase
         with self.lock:
             lane = bell.lane
             lane.watched -= 1
             if phase is _Phase.FIRED:
                 counters.fired += 1
+                self.fds -= 2
             else:
                 counters.retired += 1
-                lane.stale = True
-            if not lane.watched and not lane.stale:
+                self.fds -= 1
+                lane.unsure += 1
+            if not lane.watched and not lane.unsure:
                 self._release(lane)
 
     def sweep(self) -> None:
@@ -328,7 +364,12 @@ class _Doorbell:
         retire those whose device faulted. One stream query per busy lane;
         never blocks."""
         with self.lock:
-            busy = [lane for pool in self.lanes.values() for lane in pool if lane.key is not None]
+            busy = [
+                lane
+                for pool in self.lanes.values()
+                for lane in pool
+                if lane.key is not None or lane.unsure
+            ]
         for lane in busy:
             try:
                 with relaxed(lane.backend):  # never invalidates another thread's capture
@@ -339,8 +380,7 @@ class _Doorbell:
                 continue
             if idle:
                 with self.lock:
-                    if not lane.watched:
-                        self._release(lane)
+                    self._drained(lane)
 
 
 def _capturing(backend: Backend, key: Hashable) -> bool:
@@ -367,6 +407,7 @@ def stats() -> dict[str, int]:
         "doorbells_fired": counters.fired,
         "doorbells_retired": counters.retired,
         "doorbell_lanes": counters.lanes,
+        "doorbell_fds": _doorbell.fds,
     }
 
 

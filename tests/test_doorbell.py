@@ -455,3 +455,36 @@ async def test_lanes_left_by_retired_bells_are_reclaimed(monkeypatch: pytest.Mon
         backend.synchronize_stream(lane.stream)
         backend.destroy_stream(lane.stream)
     _doorbell.counters.lanes -= len(lanes)
+
+
+async def test_a_waiter_that_keeps_timing_out_holds_a_bounded_number_of_descriptors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each timed-out wait on a long kernel retires a bell whose write end stays
+    open until the kernel ends. The doorbell holds at most MAX_FDS descriptors
+    (beyond it, bells are refused and polling serves), and every one is closed
+    once the kernel ends (control: 40 waits would hold 40 write ends)."""
+    cs.use_backend("sim")
+    monkeypatch.setattr(_doorbell, "MAX_FDS", 8)
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    before = _settled()
+    fds = await _open_fds()
+    s, gate = cs.Stream(), threading.Event()
+    sim.launch(s, lambda: gate.wait(20))
+    event = s.record()
+    held = []
+    try:
+        for _ in range(40):
+            with anyio.move_on_after(0.001):
+                await event.wait()
+            await _poller_ended()
+            held.append(_doorbell._doorbell.fds - before["doorbell_fds"])
+    finally:
+        gate.set()
+    s.synchronize()
+    await event.wait()
+    assert max(held) <= 8 and held[-1] > 0  # bounded, and bells were armed
+    assert await _open_fds() == fds
+    assert _settled()["doorbell_fds"] == before["doorbell_fds"]
+    event.close()
+    s.close()
