@@ -8,8 +8,6 @@ stream whatever N. Every method runs in the same process on the same backend:
   ``await cs.consume(arr)`` does), default policy: the poller woken by a
   doorbell (a ``close`` host function on a notifier stream ends a pipe the
   event loop watches);
-- ``cai_streams doorbell``: the same with ``PollPolicy(wake="doorbell")`` (the
-  default's twin on the simulator);
 - ``cai_streams poller``: the same with ``PollPolicy(wake="poll")``: polling
   only, the default before the doorbell;
 - ``cai_streams low-latency``: the same with ``PollPolicy.low_latency()``;
@@ -68,7 +66,6 @@ async def _blocking(event: cs.Event, stream: cs.Stream) -> None:
 
 METHODS: dict[str, tuple[Waiter, cs.PollPolicy | None]] = {
     "cai_streams": (_shared, cs.PollPolicy()),
-    "cai_streams doorbell": (_shared, cs.PollPolicy(wake="doorbell")),
     "cai_streams poller": (_shared, cs.PollPolicy(wake="poll")),
     "cai_streams low-latency": (_shared, cs.PollPolicy.low_latency()),
     "to_thread": (_to_thread, None),

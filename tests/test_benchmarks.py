@@ -23,7 +23,7 @@ PEERS = {
         "floor: hand-written record + wait",
         "floor: read the interface + one query",
     },
-    "waiting": set(bench_consume.METHODS),  # every method, the doorbell and the poller too
+    "waiting": set(bench_consume.METHODS),  # every method, the poller without the doorbell too
     "pipeline": {
         "cai_streams (await consume)",
         "blocking host wait",
