@@ -21,15 +21,19 @@ function again). A capturing stream never gets a bell, nor does anything when
 the platform has no pipes and no ``close`` to call, or every lane is busy: the
 poller's own cadence covers them.
 
-Descriptors: the library closes a bell's read end when it fires or when its
-poller ends first (the bell is *retired*; ``armed == fired + retired`` once no
-poller runs). It never closes a write end that it handed to a host function:
-that number belongs to the driver until the function runs, so it can never
-close a descriptor someone else was given meanwhile. A bell armed on a device
-that then faults therefore keeps its write end open for the life of the
-process (a faulted CUDA context is unusable anyway). The doorbell holds at
-most ``MAX_FDS`` descriptors (``stats()["doorbell_fds"]``): beyond that,
-bells are refused and the poller's cadence serves.
+Descriptors: the loop closes a bell's read end when it fires. A bell whose
+poller ends first is *retired* (``armed == fired + retired`` once no poller
+runs): the doorbell keeps both ends, unwatched, and closes the read end once
+it shows end-of-file. It never closes a write end that it handed to a host
+function while that function may still run: the number belongs to the driver
+until then, so the library can never close a descriptor someone else was
+given meanwhile. Only when a query finds the lane idle and the read end still
+open (the function was skipped: its device faulted and was reset since) does
+it close the write end itself. On a device that faulted for good, the ends
+stay open for the life of the process (a faulted CUDA context is unusable
+anyway). The doorbell holds at most ``MAX_FDS`` descriptors
+(``stats()["doorbell_fds"]``): beyond that, it settles what it can, then
+refuses bells and the poller's cadence serves.
 
 A lane serves one producer stream at a time, so a slow stream never holds
 back another stream's bell, and its bells are enqueued in record order: a
@@ -114,9 +118,10 @@ class _Phase(enum.Enum):
 
 
 class _Lane:
-    """A notifier stream, and how many of its bells may still fire."""
+    """A notifier stream, the bells armed there that loops still watch, and the
+    retired ones whose write ends are not yet known to be closed."""
 
-    __slots__ = ("backend", "key", "stream", "tail", "unsure", "watched")
+    __slots__ = ("backend", "key", "orphans", "stream", "tail", "watched")
 
     def __init__(self, backend: Backend, stream: int) -> None:
         self.backend = backend
@@ -126,23 +131,26 @@ class _Lane:
         self.tail = -1
         #: bells armed here that the loops still watch
         self.watched = 0
-        #: retired bells whose host functions may still be queued here (their
-        #: write ends still open): free only once a query finds the lane idle
-        self.unsure = 0
+        #: retired bells: both ends still open (the doorbell's now), settled
+        #: once the read end shows end-of-file or a query finds the lane idle
+        self.orphans: list[_Bell] = []
         #: the producer stream it serves, else None (free)
         self.key: Hashable | None = None
 
 
 class _Bell:
-    """One armed bell: the read end of its pipe, for the entry it was armed for."""
+    """One armed bell: its pipe, for the entry it was armed for."""
 
-    __slots__ = ("entry", "key", "lane", "phase", "rfd")
+    __slots__ = ("entry", "key", "lane", "phase", "rfd", "wfd")
 
-    def __init__(self, entry: Armable, key: Hashable, lane: _Lane, rfd: int) -> None:
+    def __init__(self, entry: Armable, key: Hashable, lane: _Lane, rfd: int, wfd: int) -> None:
         self.entry = entry
         self.key = key
         self.lane = lane
         self.rfd = rfd
+        #: the driver's to close, by the host function; the doorbell's only
+        #: once an idle lane shows the function will never run (it was skipped)
+        self.wfd = wfd
         self.phase = _Phase.WATCHED
 
 
@@ -206,6 +214,8 @@ class _Doorbell:
         #: the lanes serving each producer stream (more than one only when
         #: waiters arrived out of record order)
         self.serving: dict[tuple[Backend, Hashable], list[_Lane]] = {}
+        #: lanes retired (their device faulted) whose bells are not settled yet
+        self.faulted: list[_Lane] = []
         #: backends that cannot launch host functions: the poller alone serves them
         self.no_host_functions: set[Backend] = set()
 
@@ -247,7 +257,7 @@ class _Doorbell:
                     lane.watched += 1
                     lane.tail = entry.seq
                     counters.armed += 1
-                    return _Bell(entry, key, lane, rfd)
+                    return _Bell(entry, key, lane, rfd, wfd)
             self.fds -= 2
         os.close(rfd)  # never handed over: both ends are still ours
         os.close(wfd)
@@ -282,39 +292,58 @@ class _Doorbell:
 
     def _reclaim(self, pool: list[_Lane]) -> _Lane | None:
         """Lock held: free the first lane whose bells all stopped being watched
-        and that a query finds idle (their host functions ran), so that a
-        service making a stream per request never runs out of lanes."""
+        once its orphans settle, so that a service making a stream per request
+        never runs out of lanes."""
         for lane in pool:
-            if lane.unsure and not lane.watched and self._idle(lane):
-                self._drained(lane)
+            if lane.orphans and not lane.watched and self._settle(lane) and not lane.orphans:
+                self._release(lane)
                 return lane
         return None
 
     def _reclaim_fds(self) -> None:
-        """Lock held: count the write ends of retired bells closed where a
-        query finds their lane idle (waiters that keep timing out on a long
-        kernel leave one per wait)."""
-        for pool in self.lanes.values():
-            for lane in pool:
-                if lane.unsure and self._idle(lane):
-                    self._drained(lane)
+        """Lock held: settle every orphan that can be (waiters that keep timing
+        out on a long kernel leave one per wait)."""
+        for lane in self._all_lanes():
+            if lane.orphans:
+                self._settle(lane)
+        self._drop_faulted()
 
-    @staticmethod
-    def _idle(lane: _Lane) -> bool:
-        """Whether every host function enqueued on ``lane`` has run. Never blocks."""
+    def _all_lanes(self) -> list[_Lane]:
+        return [lane for pool in self.lanes.values() for lane in pool] + self.faulted
+
+    def _settle(self, lane: _Lane) -> bool:
+        """Lock held: close what is known of ``lane``'s orphans: a read end at
+        end-of-file (the host function closed the write end), or both ends
+        once a query finds the lane idle and the function never ran (its
+        device was reset after a fault). Returns whether the lane answered
+        the query (False: its device is faulted). Never blocks."""
         try:
             with relaxed(lane.backend):  # never invalidates another thread's capture
-                return lane.backend.query_stream(lane.stream)
-        except CudaError:  # its device faulted: they never will
-            return False
-
-    def _drained(self, lane: _Lane) -> None:
-        """Lock held: a query found ``lane`` idle, so its retired bells' write
-        ends are closed; free it if no bell is watched there."""
-        self.fds -= lane.unsure
-        lane.unsure = 0
-        if not lane.watched:
+                idle = lane.backend.query_stream(lane.stream)
+        except CudaError:
+            idle, answered = False, False
+        else:
+            answered = True
+        self._close_orphans(lane, idle)
+        if idle and not lane.watched and lane.key is not None:
             self._release(lane)
+        return answered
+
+    def _close_orphans(self, lane: _Lane, idle: bool) -> None:
+        """Lock held: close the orphans whose write end the host function
+        closed, and, if ``lane`` is idle, those whose function was skipped."""
+        kept = []
+        for bell in lane.orphans:
+            if _has_fired(bell.rfd):
+                os.close(bell.rfd)
+            elif idle:  # it was skipped: nobody else will ever close the write end
+                os.close(bell.rfd)
+                os.close(bell.wfd)
+            else:
+                kept.append(bell)
+                continue
+            self.fds -= 2
+        lane.orphans = kept
 
     def _release(self, lane: _Lane) -> None:
         """Lock held: no bell of ``lane`` can still fire; another stream may use it."""
@@ -328,23 +357,34 @@ class _Doorbell:
             lane.key = None
 
     def _retire_lane(self, lane: _Lane) -> None:
-        """Lock held: its device faulted; its bells will never fire, and the
-        write ends of its retired bells stay open (and counted) for good."""
+        """Lock held: its device faulted (or it cannot run host functions). It
+        serves nobody again, and is destroyed once its bells are settled: on a
+        faulted device, never (no host function runs there again, and the
+        write ends stay open); after a reset, at the next sweep."""
         self._release(lane)
         for pool in self.lanes.values():
             if lane in pool:
                 pool.remove(lane)
-                counters.lanes -= 1
-        try:
-            lane.backend.destroy_stream(lane.stream)
-        except CudaError as exc:
-            warnings.warn(
-                f"leaked notifier stream {lane.stream:#x}: {exc}", CudaWarning, stacklevel=2
-            )
+                self.faulted.append(lane)
+
+    def _drop_faulted(self) -> None:
+        """Lock held: destroy the retired lanes that have nothing left."""
+        for lane in list(self.faulted):
+            if lane.watched or lane.orphans:
+                continue
+            self.faulted.remove(lane)
+            counters.lanes -= 1
+            try:
+                lane.backend.destroy_stream(lane.stream)
+            except CudaError as exc:
+                warnings.warn(
+                    f"leaked notifier stream {lane.stream:#x}: {exc}", CudaWarning, stacklevel=3
+                )
 
     def done(self, bell: _Bell, phase: _Phase) -> None:
-        """The loop stopped watching ``bell``: it fired (both ends closed), or
-        was retired (its read end closed; its write end not known to be)."""
+        """The loop stopped watching ``bell``: it fired (the loop closes the
+        read end; the host function closed the write end), or was retired (the
+        doorbell keeps both ends until it knows what became of the write end)."""
         bell.phase = phase
         with self.lock:
             lane = bell.lane
@@ -352,35 +392,25 @@ class _Doorbell:
             if phase is _Phase.FIRED:
                 counters.fired += 1
                 self.fds -= 2
+                if lane.orphans:  # the functions enqueued before it ran
+                    self._close_orphans(lane, idle=False)
             else:
                 counters.retired += 1
-                self.fds -= 1
-                lane.unsure += 1
-            if not lane.watched and not lane.unsure:
+                lane.orphans.append(bell)
+            if not lane.watched and not lane.orphans:
                 self._release(lane)
 
     def sweep(self) -> None:
-        """Free the lanes found idle whose bells all stopped being watched, and
-        retire those whose device faulted. One stream query per busy lane;
-        never blocks."""
+        """Settle the orphans of every lane, free the lanes found idle, retire
+        those whose device faulted, and destroy the retired ones that have
+        nothing left. One stream query per lane in use; never blocks."""
         with self.lock:
-            busy = [
-                lane
-                for pool in self.lanes.values()
-                for lane in pool
-                if lane.key is not None or lane.unsure
-            ]
-        for lane in busy:
-            try:
-                with relaxed(lane.backend):  # never invalidates another thread's capture
-                    idle = lane.backend.query_stream(lane.stream)
-            except CudaError:  # its device faulted: no host function runs there again
-                with self.lock:
+            for lane in self._all_lanes():
+                if lane.key is None and not lane.orphans and lane not in self.faulted:
+                    continue
+                if not self._settle(lane) and lane not in self.faulted:
                     self._retire_lane(lane)
-                continue
-            if idle:
-                with self.lock:
-                    self._drained(lane)
+            self._drop_faulted()
 
 
 def _capturing(backend: Backend, key: Hashable) -> bool:
@@ -493,15 +523,19 @@ class PollerBells:
     def _stop_watching(
         self, bell: _Bell, phase: _Phase, later: Callable[..., object] | None = None
     ) -> None:
-        """Account for ``bell`` now; close its read end now, or through ``later``."""
+        """Account for ``bell`` now. Fired: close its read end now, or through
+        ``later``. Retired: hand both ends to the doorbell, unwatched."""
         if bell.phase is not _Phase.WATCHED:
             return
-        _doorbell.done(bell, phase)
         self._watched.discard(bell)
-        if later is None:
-            self._close_read_end(bell)
-        else:
-            later(self._close_read_end, bell)
+        if phase is _Phase.RETIRED:
+            self._unwatch(bell)
+        _doorbell.done(bell, phase)
+        if phase is _Phase.FIRED:
+            if later is None:
+                self._close_read_end(bell)
+            else:
+                later(self._close_read_end, bell)
 
     def _close_read_end(self, bell: _Bell) -> None:
         self._unwatch(bell)

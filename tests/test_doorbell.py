@@ -62,6 +62,7 @@ async def _open_fds() -> int | None:
     for pool in list(_doorbell._doorbell.lanes.values()):
         for lane in list(pool):
             lane.backend.synchronize_stream(lane.stream)
+    cs.stats()  # its sweep settles the bells retired without firing
     return len(os.listdir("/proc/self/fd"))
 
 
@@ -194,18 +195,25 @@ async def test_a_faulted_kernel_is_found_by_the_poller_and_its_bell_retired() ->
     cs.use_backend("sim")
     cs.configure(poll=cs.PollPolicy(wake="doorbell"))
     before = _settled()
+    fds = await _open_fds()
     s = cs.Stream()
     t = cs.track(sim.empty(4))
     with t.writing(s):
         sim.launch(s, lambda: 1 / 0, duration=0.02, name="broken")
     with pytest.raises(cs.KernelError):
         await cs.consume(t, timeout=20)
+    await _poller_ended()
     after = cs.stats()
+    # faulted: the skipped host functions' write ends stay open, and counted
+    assert after["doorbell_fds"] > before["doorbell_fds"]
     sim.reset()
     armed = after["doorbells_armed"] - before["doorbells_armed"]
     retired = after["doorbells_retired"] - before["doorbells_retired"]
     fired = after["doorbells_fired"] - before["doorbells_fired"]
     assert armed >= 1 and fired == 0 and retired == armed
+    # reset: their lanes answer idle, so the doorbell closes both ends itself
+    assert _settled()["doorbell_fds"] == before["doorbell_fds"]
+    assert await _open_fds() == fds
 
 
 async def test_a_capturing_stream_never_gets_a_bell() -> None:
