@@ -214,8 +214,9 @@ class _Doorbell:
         #: the lanes serving each producer stream (more than one only when
         #: waiters arrived out of record order)
         self.serving: dict[tuple[Backend, Hashable], list[_Lane]] = {}
-        #: lanes retired (their device faulted) whose bells are not settled yet
-        self.faulted: list[_Lane] = []
+        #: lanes retired (their device faulted, or no host functions there)
+        #: and not destroyed yet: their bells are not all settled
+        self.retiring: list[_Lane] = []
         #: backends that cannot launch host functions: the poller alone serves them
         self.no_host_functions: set[Backend] = set()
 
@@ -303,13 +304,11 @@ class _Doorbell:
     def _reclaim_fds(self) -> None:
         """Lock held: settle every orphan that can be (waiters that keep timing
         out on a long kernel leave one per wait)."""
-        for lane in self._all_lanes():
-            if lane.orphans:
-                self._settle(lane)
-        self._drop_faulted()
-
-    def _all_lanes(self) -> list[_Lane]:
-        return [lane for pool in self.lanes.values() for lane in pool] + self.faulted
+        for pool in self.lanes.values():
+            for lane in pool:
+                if lane.orphans:
+                    self._settle(lane)
+        self._drop_retired()
 
     def _settle(self, lane: _Lane) -> bool:
         """Lock held: close what is known of ``lane``'s orphans: a read end at
@@ -365,14 +364,15 @@ class _Doorbell:
         for pool in self.lanes.values():
             if lane in pool:
                 pool.remove(lane)
-                self.faulted.append(lane)
+                self.retiring.append(lane)
 
-    def _drop_faulted(self) -> None:
-        """Lock held: destroy the retired lanes that have nothing left."""
-        for lane in list(self.faulted):
-            if lane.watched or lane.orphans:
+    def _drop_retired(self) -> None:
+        """Lock held: destroy the retired lanes that answer a query again (their
+        device was reset, say) and have nothing left."""
+        for lane in list(self.retiring):
+            if lane.watched or not self._settle(lane) or lane.orphans:
                 continue
-            self.faulted.remove(lane)
+            self.retiring.remove(lane)
             counters.lanes -= 1
             try:
                 lane.backend.destroy_stream(lane.stream)
@@ -405,12 +405,11 @@ class _Doorbell:
         those whose device faulted, and destroy the retired ones that have
         nothing left. One stream query per lane in use; never blocks."""
         with self.lock:
-            for lane in self._all_lanes():
-                if lane.key is None and not lane.orphans and lane not in self.faulted:
-                    continue
-                if not self._settle(lane) and lane not in self.faulted:
-                    self._retire_lane(lane)
-            self._drop_faulted()
+            for pool in list(self.lanes.values()):
+                for lane in list(pool):
+                    if (lane.key is not None or lane.orphans) and not self._settle(lane):
+                        self._retire_lane(lane)
+            self._drop_retired()
 
 
 def _capturing(backend: Backend, key: Hashable) -> bool:
