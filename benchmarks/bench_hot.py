@@ -85,8 +85,12 @@ def main(repeats: int, n: int) -> list[tuple[str, float, float, float]]:
         us, base, ratio = [], [], []
         for _ in range(repeats):
             a, b = per_call_us(fn, n), per_call_us(floor, n)
-            us.append(a), base.append(b), ratio.append(a / b)
-        rows.append((case, statistics.median(us), statistics.median(base), statistics.median(ratio)))
+            us.append(a)
+            base.append(b)
+            ratio.append(a / b)
+        rows.append(
+            (case, statistics.median(us), statistics.median(base), statistics.median(ratio))
+        )
     return rows
 
 

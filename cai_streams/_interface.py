@@ -414,7 +414,9 @@ def parse(obj: object) -> ArrayView:
 
 def parse_read(obj: object, cai: Any) -> ArrayView:
     """:func:`parse` of an interface the caller has just read from ``obj``
-    (so that a handoff reads it once)."""
+    (so that a handoff reads it once). A view is its own parse."""
+    if isinstance(obj, ArrayView):
+        return obj
     if type(cai) is dict:
         view = _parse_common(obj, cai)
         if view is not None:
