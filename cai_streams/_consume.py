@@ -206,7 +206,8 @@ class _TrackedHost(_Tracked):
             try:
                 self._declare_host_read(complete, self.work)
             finally:
-                self.work.unpin_writes(accesses, complete=complete)
+                if accesses:  # nothing was pinned: nothing to let go
+                    self.work.unpin_writes(accesses, complete=complete)
 
 
 class _TrackedEnqueue(_Tracked):
