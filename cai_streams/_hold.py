@@ -32,7 +32,6 @@ import warnings
 import weakref
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
-from ._capture_guard import relaxed
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
 from ._events import pool_for, record
 from ._hold_table import Hold, table, tick
@@ -80,14 +79,13 @@ def _record_hold(key: StreamId, owner: object, nbytes: int, *, stacklevel: int) 
     """Record one pooled event on ``key`` (the calling thread's for handle 2)
     and keep ``owner`` until it completes. Only enqueues."""
     pool = pool_for(key.backend, key.device)
-    with relaxed(key.backend):  # the pool queries events: never break a capture
-        event = pool.acquire()
-        try:
-            with _OnDevice(key.backend, key.device, key.handle):
-                mark = record(key.backend, event, key)
-        except BaseException:
-            pool.release(event)
-            raise
+    event = pool.acquire()  # its queries run in the relaxed capture mode
+    try:
+        with _OnDevice(key.backend, key.device, key.handle):
+            mark = record(key.backend, event, key)
+    except BaseException:
+        pool.release(event)
+        raise
     table.add(Hold(pool, event, mark, owner, nbytes), stacklevel=stacklevel + 1)
 
 
