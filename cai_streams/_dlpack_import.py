@@ -94,7 +94,9 @@ def _interface_naming_stream(obj: object) -> Any:
         cai = obj.__cuda_array_interface__  # type: ignore[attr-defined]
     except Exception:  # e.g. a CPU tensor's: DLPack gives the clear error
         return Unread.UNREAD
-    version = cai.get("version") if isinstance(cai, Mapping) else None
+    # type(...) is dict first: an ABC isinstance check is a Python-level call
+    mapping = type(cai) is dict or isinstance(cai, Mapping)
+    version = cai.get("version") if mapping else None
     return cai if isinstance(version, int) and version >= 3 else Unread.UNREAD
 
 

@@ -382,7 +382,7 @@ def stream_of(obj: object) -> int | None:
     if isinstance(obj, ArrayView):
         return obj.stream
     cai = _read(obj)
-    if not isinstance(cai, Mapping):
+    if type(cai) is not dict and not isinstance(cai, Mapping):  # the ABC check is slow
         return parse(obj).stream  # the unusual cases, with parse's messages
     version: Any = cai.get("version")
     if not _is_int(version) or not 0 <= version <= _LATEST:
