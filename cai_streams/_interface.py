@@ -324,23 +324,27 @@ def _read(obj: object) -> Any:
     try:
         return obj.__cuda_array_interface__  # type: ignore[attr-defined]
     except AttributeError as exc:
-        raise _unreadable(obj, exc) from None
+        raise _unreadable(obj, exc)  # noqa: B904 - its cause is set there
 
 
 def _unreadable(obj: object, exc: AttributeError) -> TypeError:
-    """The TypeError for an object whose interface could not be read."""
+    """The TypeError for an object whose interface could not be read: caused
+    by ``exc`` when the type has an interface (a property that failed), else
+    standing alone (as ``raise ... from None``)."""
     if hasattr(type(obj), "__cuda_array_interface__"):
         error = TypeError(
             f"{type(obj).__qualname__} has __cuda_array_interface__ but it is not "
             f"available on this object: {exc}"
         )
         error.__cause__ = exc
-        return error
-    return TypeError(
-        f"{type(obj).__module__}.{type(obj).__qualname__} does not expose "
-        "__cuda_array_interface__; accepted are objects exposing it (CuPy, PyTorch, "
-        "Numba, JAX arrays, cai_streams views, tracked and simulated arrays)"
-    )
+    else:
+        error = TypeError(
+            f"{type(obj).__module__}.{type(obj).__qualname__} does not expose "
+            "__cuda_array_interface__; accepted are objects exposing it (CuPy, PyTorch, "
+            "Numba, JAX arrays, cai_streams views, tracked and simulated arrays)"
+        )
+    error.__suppress_context__ = True
+    return error
 
 
 def _dtype(typestr: object, descr: object) -> np.dtype[Any]:
@@ -404,7 +408,7 @@ def parse(obj: object) -> ArrayView:
     try:
         cai = obj.__cuda_array_interface__  # type: ignore[attr-defined]
     except AttributeError as exc:
-        raise _unreadable(obj, exc) from None
+        raise _unreadable(obj, exc)  # noqa: B904 - its cause is set there
     if type(cai) is dict:
         view = _parse_common(obj, cai)
         if view is not None:

@@ -214,3 +214,20 @@ def test_hash_equal_values_never_take_the_fast_path() -> None:
         assert value == good[field] and hash(value) == hash(good[field])
         with pytest.raises(InterfaceError):
             parse(bad)
+
+
+def test_an_unreadable_interface_keeps_its_cause() -> None:
+    """The TypeError of a property that fails names the AttributeError as its
+    cause; an object with no interface at all stands alone."""
+
+    class Failing:
+        @property
+        def __cuda_array_interface__(self) -> Any:
+            raise AttributeError("released")
+
+    with pytest.raises(TypeError, match="not available") as failing:
+        parse(Failing())
+    assert isinstance(failing.value.__cause__, AttributeError)
+    with pytest.raises(TypeError, match="does not expose") as missing:
+        parse(object())
+    assert missing.value.__cause__ is None and missing.value.__suppress_context__
