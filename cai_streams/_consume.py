@@ -39,7 +39,7 @@ DLPACK_OPT_OUT      nothing (``stream=-1``)    None, or ``s``         nothing
 
 An array tracked here is always handed off through its pending work (what its
 ``__dlpack__`` does too, without blocking the event loop). For any other
-object the protocol is chosen by :func:`~cai_streams._dlpack_import.uses_dlpack`.
+object the protocol is chosen by :func:`~cai_streams._dlpack_import.choose_protocol`.
 
 A tracked producer's ``writing()`` block held open by another thread is waited
 for first: awaited from a coroutine (never blocking the loop), blocked on in
@@ -63,12 +63,18 @@ from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_async, wait_block_sync
 from ._config import settings
 from ._device import device_of
-from ._dlpack_import import Protocol, check_protocol, cuda_device_of, take, uses_dlpack
+from ._dlpack_import import (
+    Protocol,
+    Unread,
+    check_protocol,
+    choose_protocol,
+    cuda_device_of,
+    take,
+)
 from ._events import EventPool, Mark, pool_for, record
 from ._hold import ViewLease, hold_view_owner, view_done
-from ._hold_table import tick as release_holds
 from ._identity import stream_id_now
-from ._interface import ArrayView, byte_range, parse
+from ._interface import ArrayView, byte_range, parse, parse_read
 from ._pending import PendingWork
 from ._poller import check_timeout, wait_blocking, wait_for_events
 from ._scheduler import Scheduler, scheduler_for
@@ -200,7 +206,8 @@ class _TrackedHost(_Tracked):
             try:
                 self._declare_host_read(complete, self.work)
             finally:
-                self.work.unpin_writes(accesses, complete=complete)
+                if accesses:  # nothing was pinned: nothing to let go
+                    self.work.unpin_writes(accesses, complete=complete)
 
 
 class _TrackedEnqueue(_Tracked):
@@ -353,15 +360,16 @@ def _handoff(
     synced = _sync_flag(sync)
     s = None if stream is None else as_stream(stream, backend)
     found = lookup(obj, backend)
-    if found is None and uses_dlpack(obj, protocol):
-        return _dlpack_handoff(obj, s, synced, backend)
     if found is not None:
         work, view = found
         mode = plan(tracked=True, producer_stream=None, stream=s, synced=synced)
         row = _ROWS[mode]
         assert issubclass(row, _Tracked)
         return row(scheduler_for(backend, work.device), view, s, work)
-    view = parse(obj)
+    dlpack, cai = choose_protocol(obj, protocol)
+    if dlpack:
+        return _dlpack_handoff(obj, s, synced, backend)
+    view = parse(obj) if cai is Unread.UNREAD else parse_read(obj, cai)  # read once
     mode = plan(tracked=False, producer_stream=view.stream, stream=s, synced=synced)
     return _ROWS[mode](scheduler_for(backend, device_of(backend, view)), view, s)
 
@@ -380,8 +388,7 @@ def _handoffs(
     objs: Sequence[object], stream: object, sync: object, protocol: object = None
 ) -> list[_Handoff]:
     check_protocol(protocol)  # also for tracked objects, which never ask which
-    backend = current_backend()
-    release_holds()  # a bounded step: completed holds, released views
+    backend = current_backend()  # each lookup releases completed holds (a bounded step)
     return [_handoff(obj, stream, sync, backend, protocol) for obj in objs]
 
 

@@ -30,7 +30,16 @@ from . import _dlpack
 from ._errors import CudaWarning, InterfaceError
 from ._interface import ArrayView, parse
 
-__all__ = ["DLPackOwner", "Protocol", "check_protocol", "read_capsule", "take", "uses_dlpack"]
+__all__ = [
+    "DLPackOwner",
+    "Protocol",
+    "Unread",
+    "check_protocol",
+    "choose_protocol",
+    "read_capsule",
+    "take",
+    "uses_dlpack",
+]
 
 Protocol = Literal["cai", "dlpack"]
 PROTOCOLS: Final = ("cai", "dlpack")
@@ -40,18 +49,34 @@ MAX_VERSION: Final = _dlpack.VERSION
 MAX_NDIM: Final = 64
 
 
+class Unread(enum.Enum):
+    """What :func:`choose_protocol` gives for an interface it did not read."""
+
+    UNREAD = "the interface was not read"
+
+
 def uses_dlpack(obj: object, protocol: object) -> bool:
     """Whether to take ``obj`` through DLPack (see the module docstring).
     May read ``obj``'s interface (user code); enqueues nothing."""
+    return choose_protocol(obj, protocol)[0]
+
+
+def choose_protocol(obj: object, protocol: object) -> tuple[bool, Any]:
+    """Whether to take ``obj`` through DLPack, and the interface read to
+    decide (``Unread.UNREAD`` if none was), so that the interface path need
+    not read it again. May read the interface (user code); enqueues nothing."""
     if protocol is None:
-        return has_dlpack(obj) and not _interface_names_stream(obj)
+        if not has_dlpack(obj):
+            return False, Unread.UNREAD
+        cai = _interface_naming_stream(obj)
+        return cai is Unread.UNREAD, cai
     check_protocol(protocol)
     if protocol == "dlpack" and not has_dlpack(obj):
         raise TypeError(
             f"{type(obj).__qualname__} has no __dlpack__ and __dlpack_device__ "
             "(protocol='dlpack' was asked for)"
         )
-    return protocol == "dlpack"
+    return protocol == "dlpack", Unread.UNREAD
 
 
 def check_protocol(protocol: object) -> None:
@@ -60,16 +85,19 @@ def check_protocol(protocol: object) -> None:
         raise ValueError(f"protocol must be None, 'cai' or 'dlpack', got {protocol!r}")
 
 
-def _interface_names_stream(obj: object) -> bool:
-    """Whether ``obj`` has a readable interface of version 3 or later."""
+def _interface_naming_stream(obj: object) -> Any:
+    """``obj``'s interface if it is readable and of version 3 or later, else
+    ``Unread.UNREAD``."""
     if not hasattr(type(obj), "__cuda_array_interface__"):
-        return False
+        return Unread.UNREAD
     try:
         cai = obj.__cuda_array_interface__  # type: ignore[attr-defined]
     except Exception:  # e.g. a CPU tensor's: DLPack gives the clear error
-        return False
-    version = cai.get("version") if isinstance(cai, Mapping) else None
-    return isinstance(version, int) and version >= 3
+        return Unread.UNREAD
+    # type(...) is dict first: an ABC isinstance check is a Python-level call
+    mapping = type(cai) is dict or isinstance(cai, Mapping)
+    version = cai.get("version") if mapping else None
+    return cai if isinstance(version, int) and version >= 3 else Unread.UNREAD
 
 
 def has_dlpack(obj: object) -> bool:

@@ -30,13 +30,11 @@ import enum
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
 from ._events import pool_for, record
-from ._hold_table import Hold, relaxed, table, tick
+from ._hold_table import Hold, table, tick
 from ._identity import Lifetime, StreamId, thread_serial
 from ._interface import ArrayView
 from ._stream import Stream, as_stream
@@ -54,35 +52,40 @@ def nbytes_of(owner: object) -> int:
     return nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else 0
 
 
-@contextmanager
-def _on_device(backend: Backend, device: int, handle: int) -> Iterator[None]:
-    """Handles 1 and 2 name the current device's streams: make it ``device``."""
-    if handle not in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM):
-        yield
-        return
-    previous = backend.current_device()
-    if previous == device:
-        yield
-        return
-    backend.set_device(device)
-    try:
-        yield
-    finally:
-        backend.set_device(previous)
+class _OnDevice:
+    """``with _OnDevice(backend, device, handle):`` handles 1 and 2 name the
+    current device's streams: make it ``device`` inside. (A class: a handoff
+    enters one for every view it hands to a stream.)"""
+
+    __slots__ = ("_backend", "_device", "_previous")
+
+    def __init__(self, backend: Backend, device: int, handle: int) -> None:
+        self._backend = backend
+        self._device = device
+        self._previous: int | None = None
+        if handle in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM):
+            self._previous = backend.current_device()
+
+    def __enter__(self) -> None:
+        if self._previous is not None and self._previous != self._device:
+            self._backend.set_device(self._device)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._previous is not None and self._previous != self._device:
+            self._backend.set_device(self._previous)
 
 
 def _record_hold(key: StreamId, owner: object, nbytes: int, *, stacklevel: int) -> None:
     """Record one pooled event on ``key`` (the calling thread's for handle 2)
     and keep ``owner`` until it completes. Only enqueues."""
     pool = pool_for(key.backend, key.device)
-    with relaxed(key.backend):  # the pool queries events: never break a capture
-        event = pool.acquire()
-        try:
-            with _on_device(key.backend, key.device, key.handle):
-                mark = record(key.backend, event, key)
-        except BaseException:
-            pool.release(event)
-            raise
+    event = pool.acquire()  # its queries run in the relaxed capture mode
+    try:
+        with _OnDevice(key.backend, key.device, key.handle):
+            mark = record(key.backend, event, key)
+    except BaseException:
+        pool.release(event)
+        raise
     table.add(Hold(pool, event, mark, owner, nbytes), stacklevel=stacklevel + 1)
 
 
@@ -175,7 +178,7 @@ class ViewLease(weakref.ref[ArrayView]):
         backend = on.backend
         owner, stream = self.owner, self.stream
         try:
-            with _on_device(backend, on.device, on.handle):
+            with _OnDevice(backend, on.device, on.handle):
                 if on.handle != LEGACY_DEFAULT_STREAM and backend.is_capturing(on.handle):
                     return False
             # Done first: a limit passed while recording settles the queued

@@ -23,8 +23,6 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Protocol
 
 from ._backend import Backend, CaptureMode
@@ -34,24 +32,13 @@ from ._events import EventPool, Mark
 from ._identity import StreamId
 from ._poller import pass_hooks
 
-__all__ = ["Hold", "HoldTable", "Settles", "relaxed", "table", "tick"]
+__all__ = ["Hold", "HoldTable", "Settles", "table", "tick"]
 
 #: queries that find a hold not done, per call of :func:`tick` (the per-call
 #: bound; the queries that find holds done release them, about log2 of their number)
 TICK_QUERIES = 2
 #: released views one call of :func:`tick` settles
 TICK_SETTLES = 4
-
-
-@contextmanager
-def relaxed(backend: Backend) -> Iterator[None]:
-    """This thread's capture mode is ``relaxed`` inside: the event queries of
-    the pool and of the table never invalidate a graph capture."""
-    previous = backend.exchange_capture_mode("relaxed")
-    try:
-        yield
-    finally:
-        backend.exchange_capture_mode(previous)
 
 
 class Hold:

@@ -126,14 +126,23 @@ _backend_counter = itertools.count(1)
 _lock = threading.Lock()
 
 
+#: the backend asked for last and its serial: every handoff asks, for one backend
+_recent: tuple[weakref.ref[Backend], int] | None = None
+
+
 def backend_serial(backend: Backend) -> int:
     """A number that tells backend instances apart in messages."""
+    global _recent
+    recent = _recent  # one read: another thread may replace it
+    if recent is not None and recent[0]() is backend:
+        return recent[1]
     found = _backend_serials.get(backend)
     if found is None:
         with _lock:
             found = _backend_serials.get(backend)
             if found is None:
                 found = _backend_serials[backend] = next(_backend_counter)
+    _recent = (weakref.ref(backend), found)
     return found
 
 

@@ -70,14 +70,9 @@ def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: 
     return True
 
 
-class ArrayView:
-    """A validated description of device memory (frozen).
-
-    ``strides`` are in bytes and always filled in. ``stream`` is where pending
-    work on the data must be waited for (None: nothing to wait for). ``owner``
-    is the object the view keeps alive. ``__cuda_array_interface__`` re-exports
-    it as version 3, so CuPy, Numba and PyTorch accept a view directly.
-    """
+class _ViewSlots:
+    """The storage of an :class:`ArrayView`: plain slots, so that filling in a
+    new view is thirteen specialized stores (see :func:`_make`)."""
 
     __slots__ = (
         "__weakref__",
@@ -109,6 +104,18 @@ class ArrayView:
     stream: int | None
     owner: object
     _cai: dict[str, Any] | None
+
+
+class ArrayView(_ViewSlots):
+    """A validated description of device memory (frozen).
+
+    ``strides`` are in bytes and always filled in. ``stream`` is where pending
+    work on the data must be waited for (None: nothing to wait for). ``owner``
+    is the object the view keeps alive. ``__cuda_array_interface__`` re-exports
+    it as version 3, so CuPy, Numba and PyTorch accept a view directly.
+    """
+
+    __slots__ = ()
 
     def __init__(self) -> None:
         raise TypeError("ArrayView is made by cai_streams (consume, read_interface)")
@@ -234,10 +241,15 @@ class ArrayView:
         )
 
 
-_setters = {
-    name: getattr(ArrayView, name).__set__ for name in ArrayView.__slots__ if name != "__weakref__"
-}
-_set_cai = _setters["_cai"]
+_set_cai = _ViewSlots.__dict__["_cai"].__set__  # the cached export, once made
+
+
+class _Filling(_ViewSlots):
+    """An ArrayView being filled in: the same storage without the frozen
+    ``__setattr__``, so each store is a plain slot store. :func:`_make` turns
+    it into an ArrayView (same layout: ``__class__`` assignment is allowed)."""
+
+    __slots__ = ()
 
 
 def _make(
@@ -254,22 +266,22 @@ def _make(
     stream: int | None,
     owner: object,
 ) -> ArrayView:
-    view: ArrayView = object.__new__(ArrayView)
-    s = _setters
-    s["ptr"](view, ptr)
-    s["shape"](view, shape)
-    s["strides"](view, strides)
-    s["dtype"](view, dtype)
-    s["typestr"](view, typestr)
-    s["readonly"](view, readonly)
-    s["size"](view, size)
-    s["nbytes"](view, nbytes)
-    s["version"](view, version)
-    s["mask"](view, mask)
-    s["stream"](view, stream)
-    s["owner"](view, owner)
-    s["_cai"](view, None)
-    return view
+    view = object.__new__(_Filling)
+    view.ptr = ptr
+    view.shape = shape
+    view.strides = strides
+    view.dtype = dtype
+    view.typestr = typestr
+    view.readonly = readonly
+    view.size = size
+    view.nbytes = nbytes
+    view.version = version
+    view.mask = mask
+    view.stream = stream
+    view.owner = owner
+    view._cai = None
+    view.__class__ = ArrayView  # type: ignore[assignment]
+    return view  # type: ignore[return-value]
 
 
 def v3_dict(view: ArrayView) -> dict[str, Any]:
@@ -312,16 +324,27 @@ def _read(obj: object) -> Any:
     try:
         return obj.__cuda_array_interface__  # type: ignore[attr-defined]
     except AttributeError as exc:
-        if hasattr(type(obj), "__cuda_array_interface__"):
-            raise TypeError(
-                f"{type(obj).__qualname__} has __cuda_array_interface__ but it is not "
-                f"available on this object: {exc}"
-            ) from exc
-        raise TypeError(
+        raise _unreadable(obj, exc)  # noqa: B904 - its cause is set there
+
+
+def _unreadable(obj: object, exc: AttributeError) -> TypeError:
+    """The TypeError for an object whose interface could not be read: caused
+    by ``exc`` when the type has an interface (a property that failed), else
+    standing alone (as ``raise ... from None``)."""
+    if hasattr(type(obj), "__cuda_array_interface__"):
+        error = TypeError(
+            f"{type(obj).__qualname__} has __cuda_array_interface__ but it is not "
+            f"available on this object: {exc}"
+        )
+        error.__cause__ = exc
+    else:
+        error = TypeError(
             f"{type(obj).__module__}.{type(obj).__qualname__} does not expose "
             "__cuda_array_interface__; accepted are objects exposing it (CuPy, PyTorch, "
             "Numba, JAX arrays, cai_streams views, tracked and simulated arrays)"
-        ) from None
+        )
+    error.__suppress_context__ = True
+    return error
 
 
 def _dtype(typestr: object, descr: object) -> np.dtype[Any]:
@@ -363,7 +386,7 @@ def stream_of(obj: object) -> int | None:
     if isinstance(obj, ArrayView):
         return obj.stream
     cai = _read(obj)
-    if not isinstance(cai, Mapping):
+    if type(cai) is not dict and not isinstance(cai, Mapping):  # the ABC check is slow
         return parse(obj).stream  # the unusual cases, with parse's messages
     version: Any = cai.get("version")
     if not _is_int(version) or not 0 <= version <= _LATEST:
@@ -380,17 +403,42 @@ def parse(obj: object) -> ArrayView:
     """Read and validate ``obj.__cuda_array_interface__`` (once). Does not block,
     enqueues nothing; ``view.stream`` says where pending work must be waited for.
     """
-    return _parse(obj, ())
+    if isinstance(obj, ArrayView):
+        return obj
+    try:
+        cai = obj.__cuda_array_interface__  # type: ignore[attr-defined]
+    except AttributeError as exc:
+        raise _unreadable(obj, exc)  # noqa: B904 - its cause is set there
+    if type(cai) is dict:
+        view = _parse_common(obj, cai)
+        if view is not None:
+            return view
+    return _validate(obj, cai, ())
+
+
+def parse_read(obj: object, cai: Any) -> ArrayView:
+    """:func:`parse` of an interface the caller has just read from ``obj``
+    (so that a handoff reads it once). A view is its own parse."""
+    if isinstance(obj, ArrayView):
+        return obj
+    if type(cai) is dict:
+        view = _parse_common(obj, cai)
+        if view is not None:
+            return view
+    return _validate(obj, cai, ())
 
 
 #: validated layouts of the common shape: (shape, typestr, strides as given) ->
 #: (shape, strides, dtype, size, nbytes, lowest and highest byte offset)
 _Layout = tuple[tuple[int, ...], tuple[int, ...], "np.dtype[Any]", int, int, int, int]
 _layouts: dict[tuple[Any, ...], _Layout] = {}
+#: the one element type the fast path takes in shapes and strides: a value of
+#: another type may equal an int (4.0, True) and so find its cached layout
+_INT: Final = frozenset((int,))
 
 
 def _exact_ints(values: object) -> bool:
-    return type(values) is tuple and all(type(v) is int for v in values)
+    return type(values) is tuple and _INT.issuperset(map(type, values))
 
 
 def _remember(
@@ -411,35 +459,39 @@ def _remember(
     _layouts[(raw_shape, typestr, raw_strides)] = (shape, strides, dtype, size, nbytes, lo, hi)
 
 
-def _parse_common(obj: object, cai: Any) -> ArrayView | None:
+def _parse_common(obj: object, cai: dict[str, Any]) -> ArrayView | None:
     """The fast path: a dict of version 2 or 3 with exact int and bool values,
-    no mask, no descr, and a layout that full validation already accepted.
-    None sends everything else through full validation."""
-    if type(cai) is not dict or "mask" in cai or "descr" in cai:
+    no mask, no descr but the trivial one (``[("", typestr)]``, which CuPy
+    sends), and a layout that full validation already accepted. None sends
+    everything else through full validation."""
+    get = cai.get
+    shape, typestr, strides = get("shape"), get("typestr"), get("strides")
+    try:
+        layout = _layouts.get((shape, typestr, strides))
+    except TypeError:  # unhashable: full validation names the field
         return None
-    version = cai.get("version")
-    data = cai.get("data")
-    if type(version) is not int or not 2 <= version <= _LATEST:
+    # exact types: 4.0 and True hash as 4 and 1 do, and only full validation refuses them
+    if layout is None or type(typestr) is not str or not _exact_ints(shape):
+        return None
+    if strides is not None and not _exact_ints(strides):
+        return None
+    version, data, stream = get("version"), get("data"), get("stream")
+    if type(version) is not int or not 2 <= version <= _LATEST or get("mask") is not None:
+        return None
+    descr = get("descr")
+    if descr is not None and (type(descr) is not list or descr != [("", typestr)]):
         return None
     if type(data) is not tuple or len(data) != 2:
         return None
     ptr, readonly = data
-    if type(ptr) is not int or ptr <= 0 or type(readonly) is not bool:
+    if type(ptr) is not int or type(readonly) is not bool:
         return None
-    stream = cai.get("stream") if version == _LATEST else None
-    if stream is not None and (type(stream) is not int or not 0 < stream < _ADDRESS_LIMIT):
-        return None
-    # exact types: 4.0 and True hash as 4 and 1 do, and only full validation refuses them
-    shape, typestr, strides = cai.get("shape"), cai.get("typestr"), cai.get("strides")
-    if not _exact_ints(shape) or type(typestr) is not str:
-        return None
-    if strides is not None and not _exact_ints(strides):
-        return None
-    layout = _layouts.get((shape, typestr, strides))
-    if layout is None:
+    if version != _LATEST:
+        stream = None
+    elif stream is not None and (type(stream) is not int or not 0 < stream < _ADDRESS_LIMIT):
         return None
     shape, strides, dtype, size, nbytes, lo, hi = layout
-    if ptr + lo < 0 or ptr + hi > _ADDRESS_LIMIT:
+    if ptr <= 0 or ptr + lo < 0 or ptr + hi > _ADDRESS_LIMIT:
         return None
     return _make(
         ptr, shape, strides, dtype, typestr, readonly, size, nbytes, version, None, stream, obj
@@ -450,11 +502,11 @@ def _parse(obj: object, masking: tuple[int, ...]) -> ArrayView:
     """``masking``: the ids of the arrays whose mask this is (a cycle is refused)."""
     if isinstance(obj, ArrayView):
         return obj
-    cai = _read(obj)
-    if not masking:
-        view = _parse_common(obj, cai)
-        if view is not None:
-            return view
+    return _validate(obj, _read(obj), masking)
+
+
+def _validate(obj: object, cai: Any, masking: tuple[int, ...]) -> ArrayView:
+    """Full validation of ``cai``, read from ``obj``."""
     if not isinstance(cai, Mapping):
         if hasattr(cai, "keys") and hasattr(cai, "__getitem__"):
             cai = {key: cai[key] for key in cai.keys()}
@@ -558,7 +610,8 @@ def _parse(obj: object, masking: tuple[int, ...]) -> ArrayView:
                     "mask", raw_mask, f"a mask of the array's shape {shape}, not {mask.shape}"
                 )
 
-    if mask is None and cai.get("descr") is None and 2 <= version:
+    descr = cai.get("descr")
+    if mask is None and 2 <= version and (descr is None or descr == [("", cai["typestr"])]):
         _remember(cai, shape, strides, dtype, size)
     return _make(
         ptr,

@@ -82,7 +82,6 @@ class Scheduler:
 
     def work_of(self, obj: object) -> PendingWork | None:
         """The pending work of ``obj`` if it is tracked. Does not block."""
-        release_holds()  # every handoff and track() passes here: a bounded step
         if self._collected or self._orphans:
             self.collect(limit=4)
         work = self.buffers.get(id(obj))
@@ -173,6 +172,7 @@ def schedulers_of(backend: Backend) -> list[Scheduler]:
 
 def find_work(backend: Backend, obj: object) -> PendingWork | None:
     """The pending work of ``obj`` on whichever device it is tracked. Does not block."""
+    release_holds()  # every handoff, export and track() passes here: a bounded step
     for sched in schedulers_of(backend):
         work = sched.work_of(obj)
         if work is not None:

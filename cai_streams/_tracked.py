@@ -21,6 +21,7 @@ from ._blocks import Blocked, Owner, current_owner, wait_block_sync
 from ._config import settings
 from ._device import device_of
 from ._dlpack_export import export_view
+from ._hold_table import tick as release_holds
 from ._identity import stream_id_now
 from ._interface import ArrayView, parse
 from ._pending import PendingWork
@@ -263,6 +264,7 @@ def track(obj: object, stream: object = None) -> TrackedArray:
 def lookup(obj: object, backend: Backend) -> tuple[PendingWork, ArrayView] | None:
     """The pending work of ``obj`` (or of a TrackedArray) and its view, if tracked."""
     if isinstance(obj, TrackedArray):
+        release_holds()  # as find_work does: a bounded step
         return obj._work, obj.view
     work = find_work(backend, obj)
     if work is None:

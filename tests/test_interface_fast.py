@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cai_streams import _interface
-from cai_streams._interface import _parse_common, parse
+from cai_streams import InterfaceError, _interface
+from cai_streams._interface import ArrayView, _parse_common, parse, parse_read
 
 PTR = 0x7F00_0000_0000
 
@@ -86,6 +87,17 @@ CORRUPTIONS: list[tuple[str, Any]] = [
     ("shape", "missing"),
     ("data", "missing"),
 ]
+#: values equal to valid ones (a cached layout's key) that full validation refuses,
+#: and descrs the fast path must leave to it
+MORE_CORRUPTIONS: list[tuple[str, Any]] = [
+    ("version", 3.0),
+    ("version", 2.0),
+    ("data", (PTR, 0)),
+    ("stream", np.int64(PTR)),
+    ("descr", [("", "<f8")]),
+    ("descr", (("", "<f4"),)),
+    ("descr", [("x", "<f4"), ("y", "<f4")]),
+]
 
 
 def _corrupt(cai: dict[str, Any], field: str, how: Any, owner: object) -> dict[str, Any]:
@@ -139,3 +151,83 @@ def test_fast_path_agrees_with_full_validation(
         assert _parse_common(obj, obj.__cuda_array_interface__) is not None  # it is taken
     fast = _outcome(obj)
     assert fast == oracle
+
+
+def _fields(outcome: Any) -> Any:
+    """Every public attribute of a view (and its class), or the error: what a
+    fast path must give exactly as full validation does."""
+    if not isinstance(outcome, ArrayView):
+        return outcome
+    names = ("ptr", "shape", "strides", "dtype", "typestr", "readonly", "size", "nbytes")
+    more = ("version", "mask", "stream")
+    return (type(outcome), *(getattr(outcome, n) for n in names + more), outcome.owner)
+
+
+@st.composite
+def cupy_style(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid dict, with CuPy's trivial descr half of the time."""
+    cai = draw(valid())
+    if draw(st.booleans()):
+        cai["descr"] = [("", cai["typestr"])]
+    return cai
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cupy_style(), st.sampled_from(CORRUPTIONS + MORE_CORRUPTIONS), st.booleans())
+def test_read_once_parse_agrees_with_full_validation(
+    cai: dict[str, Any], corruption: tuple[str, Any], corrupt: bool
+) -> None:
+    """``parse_read`` (a handoff's parse of the dict it read to choose the
+    protocol) gives every attribute full validation gives, and refuses what it
+    refuses, the fast path taken or not; the view stays frozen."""
+    base = Exports(cai)
+    obj = Exports(None)
+    obj.cai = _corrupt(cai, *corruption, owner=obj) if corrupt else dict(cai)
+    _interface._layouts.clear()
+    oracle = _fields(_outcome(obj))  # full validation
+    _interface._layouts.clear()
+    parse(base)  # the valid dict's layout is now cached
+    if int(np.prod(cai["shape"])) and not corrupt:  # the trivial descr too is taken
+        assert _parse_common(obj, obj.__cuda_array_interface__) is not None
+    try:
+        got = parse_read(obj, obj.__cuda_array_interface__)
+    except Exception as exc:  # noqa: BLE001 - compared with the oracle's
+        assert (type(exc), str(exc)) == oracle
+        return
+    assert _fields(got) == oracle
+    with pytest.raises(AttributeError, match="frozen"):
+        got.ptr = 0
+    assert parse_read(got, {"not": "read"}) is got  # a view is its own parse
+
+
+def test_hash_equal_values_never_take_the_fast_path() -> None:
+    """Control for the exact-type checks: 3.0, 0, 4.0 and True equal 3, False,
+    4 and 1, so each dict below finds the cached layout of the valid one; full
+    validation refuses each all the same."""
+    good = {"shape": (4, 1), "typestr": "<f4", "data": (PTR, False), "strides": (4, 4),
+            "version": 3, "stream": 1}  # fmt: skip
+    parse(Exports(good))
+    corrupt = [("version", 3.0), ("data", (PTR, 0)), ("shape", (4.0, 1)),
+               ("shape", (4, True)), ("stream", True), ("strides", (4.0, 4))]  # fmt: skip
+    for field, value in corrupt:
+        bad = Exports({**good, field: value})
+        assert value == good[field] and hash(value) == hash(good[field])
+        with pytest.raises(InterfaceError):
+            parse(bad)
+
+
+def test_an_unreadable_interface_keeps_its_cause() -> None:
+    """The TypeError of a property that fails names the AttributeError as its
+    cause; an object with no interface at all stands alone."""
+
+    class Failing:
+        @property
+        def __cuda_array_interface__(self) -> Any:
+            raise AttributeError("released")
+
+    with pytest.raises(TypeError, match="not available") as failing:
+        parse(Failing())
+    assert isinstance(failing.value.__cause__, AttributeError)
+    with pytest.raises(TypeError, match="does not expose") as missing:
+        parse(object())
+    assert missing.value.__cause__ is None and missing.value.__suppress_context__

@@ -1,0 +1,104 @@
+"""The lean-hot-path ratios of issue #20, and nothing else: each handoff's
+host cost over its floor, measured in the same run.
+
+Run: python benchmarks/bench_hot.py [--repeats N]. Figures are this thread's
+CPU time per call (``time.thread_time``) on the simulator, so the other load
+of a shared machine does not count; each ratio is the median over the repeats
+of (cost / floor), the two measured back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and the project importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cai_streams as cs  # noqa: E402
+from benchmarks.bench_interface import V3Producer  # noqa: E402
+from cai_streams import sim  # noqa: E402
+from cai_streams._interface import parse  # noqa: E402
+
+#: the goals of issue #20: (case, ratio it must stay within)
+GOALS = {
+    "parse, CuPy-style v3 dict": 3.0,
+    "consume_blocking(arr, stream=s)": 1.5,
+    "consume_blocking(t), tracked, complete": 1.5,
+    "consume_blocking(arr), untracked, idle stream": 1.5,
+}
+
+
+def per_call_us(fn: Callable[[], object], n: int) -> float:
+    start = time.thread_time()
+    for _ in range(n):
+        fn()
+    return (time.thread_time() - start) / n * 1e6
+
+
+def cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+    """(measured, floor) per case, on the simulator."""
+    cs.use_backend("sim")
+    backend = cs.current_backend()
+    v3 = V3Producer()
+    producer_stream, mine, idle_stream = cs.Stream(), cs.Stream(), cs.Stream()
+    arr = sim.empty(1024)
+    arr.stream = producer_stream.handle
+    tracked = cs.track(sim.empty(1024))
+    idle = sim.empty(1024)
+    idle.stream = idle_stream.handle  # nothing is ever enqueued on it
+    event = backend.create_event()
+
+    def record_wait() -> None:
+        backend.record(event, producer_stream.handle)
+        backend.stream_wait_event(mine.handle, event)
+
+    def read_query(obj: object) -> None:
+        obj.__cuda_array_interface__  # type: ignore[attr-defined]  # noqa: B018
+        backend.query_stream(idle_stream.handle)
+
+    return {
+        "parse, CuPy-style v3 dict": (lambda: parse(v3), lambda: v3.__cuda_array_interface__),
+        "consume_blocking(arr, stream=s)": (
+            lambda: cs.consume_blocking(arr, stream=mine),
+            record_wait,
+        ),
+        "consume_blocking(t), tracked, complete": (
+            lambda: cs.consume_blocking(tracked),
+            lambda: read_query(arr),
+        ),
+        "consume_blocking(arr), untracked, idle stream": (
+            lambda: cs.consume_blocking(idle),
+            lambda: read_query(idle),
+        ),
+    }
+
+
+def main(repeats: int, n: int) -> list[tuple[str, float, float, float]]:
+    rows = []
+    for case, (fn, floor) in cases().items():
+        fn(), floor()  # warm: caches, pools
+        us, base, ratio = [], [], []
+        for _ in range(repeats):
+            a, b = per_call_us(fn, n), per_call_us(floor, n)
+            us.append(a)
+            base.append(b)
+            ratio.append(a / b)
+        rows.append(
+            (case, statistics.median(us), statistics.median(base), statistics.median(ratio))
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("-n", type=int, default=2000, help="calls per repeat")
+    args = parser.parse_args()
+    print(f"{'case':48} {'us/call':>8} {'floor':>8} {'ratio':>6} {'goal':>5}")
+    for case, us, floor, ratio in main(args.repeats, args.n):
+        print(f"{case:48} {us:8.2f} {floor:8.2f} {ratio:6.2f} {GOALS[case]:5.1f}")
