@@ -7,7 +7,9 @@ scheduler, the poller, the sanitizer and the tracer all use it.
 
 from __future__ import annotations
 
+import enum
 import sys
+import threading
 import warnings
 from typing import TYPE_CHECKING
 
@@ -420,6 +422,18 @@ def as_stream(stream: object, backend: Backend) -> Stream:
     return s
 
 
+class _EventState(enum.Enum):
+    OPEN = "open"
+    #: closed while a task awaited it: destroyed when the last wait ends, so
+    #: that its handle cannot be given to another event under a waiter
+    CLOSING = "closing"
+    DESTROYED = "destroyed"
+
+
+#: guards Event's count of waits (tasks of several threads may await one)
+_waits_lock = threading.Lock()
+
+
 class Event:
     """A point in a stream's work: complete once everything before it ran.
 
@@ -427,13 +441,14 @@ class Event:
     (a pending record still completes). Keeps its stream alive.
     """
 
-    __slots__ = ("__weakref__", "_backend", "_closed", "_handle", "_mark", "_stream")
+    __slots__ = ("__weakref__", "_backend", "_handle", "_mark", "_state", "_stream", "_waits")
 
     _backend: Backend
-    _closed: bool
     _handle: int
     _mark: Mark
+    _state: _EventState
     _stream: Stream
+    _waits: int
 
     def __init__(self) -> None:
         raise TypeError("Events are made by Stream.record()")
@@ -443,12 +458,13 @@ class Event:
         self = cls.__new__(cls)
         backend = stream._backend
         self._backend = backend
-        self._closed = True
+        self._state = _EventState.DESTROYED
+        self._waits = 0
         self._stream = stream
         stream.handle  # noqa: B018 - a closed stream refuses
         key = stream._key()
         self._handle = backend.create_event(key.device)  # events record on their device only
-        self._closed = False
+        self._state = _EventState.OPEN
         try:
             self._mark = record(backend, self._handle, key)
         except BaseException:
@@ -458,7 +474,7 @@ class Event:
 
     @property
     def handle(self) -> int:
-        if self._closed:
+        if self._state is not _EventState.OPEN:
             raise ValueError("this Event is closed")
         return self._handle
 
@@ -486,26 +502,42 @@ class Event:
         seconds raises :class:`TimeoutError` when it runs out. An event recorded
         in a graph capture under way raises :class:`~cai_streams.CaptureError`
         (its work has not run; polling it would invalidate the capture).
+        Closing the event meanwhile (from another task) does not end the wait:
+        the event is destroyed once the last wait on it ends.
         """
         mark = self._mark
+        handle = self.handle
         _capture_guard.check_host_wait(self._backend, mark.key, mark, "Event.wait()")
-        await wait_for_event(
-            self._backend, self.handle, mark=self._mark, timeout=timeout, keepalive=self
-        )
+        with _waits_lock:
+            self._waits += 1
+        try:
+            await wait_for_event(self._backend, handle, mark=mark, timeout=timeout, keepalive=self)
+        finally:
+            with _waits_lock:
+                self._waits -= 1
+                last = self._waits == 0 and self._state is _EventState.CLOSING
+                if last:
+                    self._state = _EventState.DESTROYED
+            if last:
+                self._backend.destroy_event(self._handle)
 
     def close(self) -> None:
-        """Destroy the event. Safe to call twice. Does not block."""
-        if self._closed:
-            return
-        self._closed = True
-        self._backend.destroy_event(self._handle)
+        """Destroy the event (once the waits on it under way have ended). Safe
+        to call twice. Does not block."""
+        with _waits_lock:
+            if self._state is not _EventState.OPEN:
+                return
+            waited = self._waits > 0
+            self._state = _EventState.CLOSING if waited else _EventState.DESTROYED
+        if not waited:
+            self._backend.destroy_event(self._handle)
 
     def __repr__(self) -> str:
         return f"<Event {self._handle:#x} on stream {self._stream._handle:#x}>"
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            self._closed = True
+        if getattr(self, "_state", _EventState.DESTROYED) is _EventState.OPEN:
+            self._state = _EventState.DESTROYED
             if sys.is_finalizing():
                 return
             try:
