@@ -50,6 +50,7 @@ import ctypes
 import ctypes.util
 import enum
 import os
+import stat
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -83,9 +84,12 @@ WAKE_MODES: Final[tuple[WakeMode, ...]] = ("auto", "doorbell", "poll")
 AUTO_BACKENDS: Final = frozenset({"sim", "decoy", "cuda"})
 #: notifier streams per (backend, device); beyond this a bell is refused
 MAX_LANES: Final = 64
-#: file descriptors the doorbell holds at most (two per armed bell; a retired
-#: bell's write end until its lane is found idle); beyond this a bell is refused
-MAX_FDS: Final = 256
+#: notifier streams serving one producer stream (more than one only when its
+#: waiters arrive out of record order), so that one stream cannot take them all
+MAX_LANES_PER_STREAM: Final = 4
+#: file descriptors the doorbell holds at most (two per armed bell, kept by a
+#: retired bell until settled); beyond this a bell is refused
+MAX_FDS: Final = 128
 
 
 class BellState(enum.Enum):
@@ -106,6 +110,11 @@ class Armable(Protocol):
     #: its place in its stream's record order (-1: a lone event)
     seq: int
     bell: BellState
+
+    #: who waits on it: an entry nobody waits on is never armed (its event may
+    #: have been destroyed since, and its handle taken by another record)
+    @property
+    def waiters(self) -> Sequence[object]: ...
 
 
 class _Phase(enum.Enum):
@@ -210,6 +219,9 @@ class _Doorbell:
         self._close: int | None = None  # libc's close, found on first use (0: none)
         #: descriptors held now: read ends not closed, write ends not known closed
         self.fds = 0
+        #: write ends handed to host functions and not known closed, with their
+        #: pipe's inode (a forked child closes its copies: see after_fork_in_child)
+        self.handed: dict[int, int] = {}
         self.lanes: dict[tuple[Backend, int], list[_Lane]] = {}
         #: the lanes serving each producer stream (more than one only when
         #: waiters arrived out of record order)
@@ -233,6 +245,9 @@ class _Doorbell:
         if not close or backend in self.no_host_functions or _capturing(backend, key):
             return None
         with self.lock:
+            adopted = self._adopt(entry, key)
+            if adopted is not None:
+                return adopted
             if self.fds + 2 > MAX_FDS:
                 self._reclaim_fds()
                 if self.fds + 2 > MAX_FDS:
@@ -247,14 +262,18 @@ class _Doorbell:
                 try:
                     backend.stream_wait_event(lane.stream, event)
                     backend.launch_host_func(lane.stream, close, wfd)
-                except CudaError:  # a faulted device, say: the poller finds the error
-                    self._retire_lane(lane)
+                except CudaError:  # the poller finds the error, if it is the event's
+                    if not self._answers(lane):  # its device faulted
+                        self._retire_lane(lane)
+                    elif not lane.watched and not lane.orphans:
+                        self._release(lane)
                     lane = None
                 except OSError:  # the driver library has no cuLaunchHostFunc here
                     self.no_host_functions.add(backend)
                     self._retire_lane(lane)
                     lane = None
                 else:  # from here on the write end is the driver's to close
+                    self.handed[wfd] = os.fstat(rfd).st_ino
                     lane.watched += 1
                     lane.tail = entry.seq
                     counters.armed += 1
@@ -264,12 +283,30 @@ class _Doorbell:
         os.close(wfd)
         return None
 
+    def _adopt(self, entry: Armable, key: Hashable) -> _Bell | None:
+        """Lock held: a retired bell for the same record, still unsettled, armed
+        again (its host function is still queued): a waiter that keeps timing
+        out on a long kernel holds one pipe, not one per wait."""
+        if entry.seq < 0:  # a lone event: its handle may name another record now
+            return None
+        for lane in self.serving.get((entry.backend, key), ()):
+            for i, orphan in enumerate(lane.orphans):
+                if orphan.entry.seq == entry.seq and orphan.entry.event == entry.event:
+                    del lane.orphans[i]
+                    lane.watched += 1
+                    counters.armed += 1
+                    return _Bell(entry, key, lane, orphan.rfd, orphan.wfd)
+        return None
+
     def _lane_for(self, backend: Backend, key: Hashable, seq: int) -> _Lane | None:
         """Lock held: a lane of ``key`` where nothing later in its record order
-        is queued, else a free one."""
-        for lane in self.serving.get((backend, key), ()):
+        is queued, else a free one (at most MAX_LANES_PER_STREAM per stream)."""
+        lanes = self.serving.get((backend, key), ())
+        for lane in lanes:
             if lane.tail <= seq:
                 return lane
+        if len(lanes) >= MAX_LANES_PER_STREAM:
+            return None
         return self._free_lane(backend, key)
 
     def _free_lane(self, backend: Backend, key: Hashable) -> _Lane | None:
@@ -328,6 +365,16 @@ class _Doorbell:
             self._release(lane)
         return answered
 
+    @staticmethod
+    def _answers(lane: _Lane) -> bool:
+        """Whether ``lane`` answers a query (its device has not faulted)."""
+        try:
+            with relaxed(lane.backend):
+                lane.backend.query_stream(lane.stream)
+        except CudaError:
+            return False
+        return True
+
     def _close_orphans(self, lane: _Lane, idle: bool) -> None:
         """Lock held: close the orphans whose write end the host function
         closed, and, if ``lane`` is idle, those whose function was skipped."""
@@ -341,6 +388,7 @@ class _Doorbell:
             else:
                 kept.append(bell)
                 continue
+            self.handed.pop(bell.wfd, None)
             self.fds -= 2
         lane.orphans = kept
 
@@ -391,6 +439,7 @@ class _Doorbell:
             lane.watched -= 1
             if phase is _Phase.FIRED:
                 counters.fired += 1
+                self.handed.pop(bell.wfd, None)
                 self.fds -= 2
                 if lane.orphans:  # the functions enqueued before it ran
                     self._close_orphans(lane, idle=False)
@@ -411,6 +460,21 @@ class _Doorbell:
                         self._retire_lane(lane)
             self._drop_retired()
 
+    def after_fork_in_child(self) -> None:
+        """In a child made by ``fork()``: close its copies of the write ends
+        handed to host functions, or the parent's bells could not ring while
+        the child lives (end-of-file needs every copy closed). Only those still
+        naming their pipe: never a descriptor the number was given to since."""
+        self.lock = threading.Lock()  # another thread may have held it at the fork
+        for wfd, inode in list(self.handed.items()):
+            try:
+                info = os.fstat(wfd)
+            except OSError:
+                continue
+            if stat.S_ISFIFO(info.st_mode) and info.st_ino == inode:
+                os.close(wfd)
+        self.handed.clear()
+
 
 def _capturing(backend: Backend, key: Hashable) -> bool:
     """Whether the producer stream ``key`` captures (never arm there), or cannot
@@ -426,6 +490,8 @@ def _capturing(backend: Backend, key: Hashable) -> bool:
 
 
 _doorbell = _Doorbell()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _doorbell.after_fork_in_child())
 
 
 def stats() -> dict[str, int]:
@@ -554,7 +620,11 @@ class PollerBells:
 
     def arm(self, entry: Armable, key: Hashable, mode: WakeMode) -> None:
         """Arm a bell for ``entry`` (a queue's head) if the policy wants one."""
-        if entry.bell is not BellState.UNARMED or not wants_doorbell(mode, entry.backend):
+        if (
+            entry.bell is not BellState.UNARMED
+            or not entry.waiters
+            or not wants_doorbell(mode, entry.backend)
+        ):
             return
         watch = self._bind()
         bell = _doorbell.arm(entry, key)

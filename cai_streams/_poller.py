@@ -189,9 +189,9 @@ class _Poller:
         self.bells = PollerBells(self._rang)
 
     def add(self, backend: Backend, event: int, mark: Mark | None, waiter: anyio.Event) -> _Entry:
+        key: Hashable = mark.key if mark is not None else ("event", backend, event)
         entry = self.entries.get((backend, event))
         if entry is None:
-            key: Hashable = mark.key if mark is not None else ("event", backend, event)
             seq = mark.seq if mark is not None else -1
             entry = _Entry(backend, event, seq)
             self.entries[(backend, event)] = entry
@@ -203,9 +203,10 @@ class _Poller:
                 while i and queue[i - 1].seq > seq:
                     i -= 1
                 queue.insert(i, entry)
-            if queue[0] is entry:  # the stream's oldest pending event: ring when it completes
-                self.bells.arm(entry, key, _policy.wake)
         entry.waiters.append(waiter)
+        head = self.queues.get(key)
+        if head and head[0] is entry:  # the stream's oldest pending event: ring when it completes
+            self.bells.arm(entry, key, _policy.wake)
         self.new_waiter = True
         if not self.running:
             self._start()
@@ -234,6 +235,8 @@ class _Poller:
                     counters.wakes += len(head.waiters)
                 if head is entry:
                     break
+            while queue and not queue[0].waiters:  # all its waiters left: never armed
+                queue.popleft()
             if queue:  # a bell that won keeps its stream rung: arm the next head now
                 self.bells.arm(queue[0], key, _policy.wake)
             else:

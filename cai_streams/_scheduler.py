@@ -198,7 +198,7 @@ def stats() -> dict[str, int]:
     ``doorbells_armed``, ``doorbells_fired``, ``doorbells_retired`` (no
     longer watched before they fired: their poller ended first, or their
     device faulted), ``doorbell_lanes`` (notifier streams) and
-    ``doorbell_fds`` (pipe ends held, at most 256): once no poller runs,
+    ``doorbell_fds`` (pipe ends held, at most 128): once no poller runs,
     armed == fired + retired. Does not block: completed holds
     are released first (it makes one stream query per notifier stream in
     use).

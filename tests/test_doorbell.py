@@ -13,7 +13,9 @@ import random
 import select
 import threading
 import time
+import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import numpy as np
@@ -45,6 +47,13 @@ def _sleepy(wake: str) -> cs.PollPolicy:
 def _settled() -> dict[str, int]:
     cs.current_backend().synchronize_stream(1)
     return cs.stats()
+
+
+def _np(arr: object) -> np.ndarray[Any, Any]:
+    """The host memory behind a simulated array."""
+    view = sim._numpy_view(arr)
+    assert view is not None
+    return view
 
 
 async def _poller_ended() -> None:
@@ -288,6 +297,7 @@ class _Entry:
         self.event = event
         self.seq = -1
         self.bell = _doorbell.BellState.UNARMED
+        self.waiters = [object()]
 
 
 def test_arming_and_firing_make_no_call_that_a_global_capture_forbids() -> None:
@@ -465,15 +475,11 @@ async def test_lanes_left_by_retired_bells_are_reclaimed(monkeypatch: pytest.Mon
     _doorbell.counters.lanes -= len(lanes)
 
 
-async def test_a_waiter_that_keeps_timing_out_holds_a_bounded_number_of_descriptors(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Each timed-out wait on a long kernel retires a bell whose write end stays
-    open until the kernel ends. The doorbell holds at most MAX_FDS descriptors
-    (beyond it, bells are refused and polling serves), and every one is closed
-    once the kernel ends (control: 40 waits would hold 40 write ends)."""
+async def test_a_waiter_that_keeps_timing_out_rearms_one_pipe() -> None:
+    """Each timed-out wait on a long kernel retires its bell unfired, its host
+    function still queued; the next wait on the same record arms that bell
+    again instead of a new pipe (control: without it, one pipe per wait)."""
     cs.use_backend("sim")
-    monkeypatch.setattr(_doorbell, "MAX_FDS", 8)
     cs.configure(poll=cs.PollPolicy(wake="doorbell"))
     before = _settled()
     fds = await _open_fds()
@@ -482,7 +488,40 @@ async def test_a_waiter_that_keeps_timing_out_holds_a_bounded_number_of_descript
     event = s.record()
     held = []
     try:
-        for _ in range(40):
+        for _ in range(20):
+            with anyio.move_on_after(0.001):
+                await event.wait()
+            await _poller_ended()
+            held.append(_doorbell._doorbell.fds - before["doorbell_fds"])
+    finally:
+        gate.set()
+    await event.wait()
+    assert held == [2] * 20
+    assert await _open_fds() == fds
+    assert _settled()["doorbell_fds"] == before["doorbell_fds"]
+    event.close()
+    s.close()
+
+
+async def test_waits_that_time_out_on_many_records_hold_at_most_max_fds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each timed-out wait on another record behind a long kernel leaves a
+    retired bell whose write end stays open until the kernel ends. The
+    doorbell holds at most MAX_FDS descriptors (beyond it, bells are refused
+    and polling serves), and closes every one once the kernel ends (control:
+    40 records would hold 80)."""
+    cs.use_backend("sim")
+    monkeypatch.setattr(_doorbell, "MAX_FDS", 8)
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    before = _settled()
+    fds = await _open_fds()
+    s, gate = cs.Stream(), threading.Event()
+    sim.launch(s, lambda: gate.wait(20))
+    events = [s.record() for _ in range(40)]
+    held = []
+    try:
+        for event in reversed(events):  # each a new head of its stream
             with anyio.move_on_after(0.001):
                 await event.wait()
             await _poller_ended()
@@ -490,9 +529,147 @@ async def test_a_waiter_that_keeps_timing_out_holds_a_bounded_number_of_descript
     finally:
         gate.set()
     s.synchronize()
-    await event.wait()
-    assert max(held) <= 8 and held[-1] > 0  # bounded, and bells were armed
+    assert max(held) <= 8 and held[0] > 0  # bounded, and bells were armed
     assert await _open_fds() == fds
     assert _settled()["doorbell_fds"] == before["doorbell_fds"]
-    event.close()
+    for event in events:
+        event.close()
     s.close()
+
+
+async def test_an_earlier_waiter_is_not_woken_by_a_stale_entrys_reused_handle() -> None:
+    """B waits on e2 with a timeout, gives up and closes it; its handle goes to
+    an event on an idle stream. A then waits on e1, recorded before e2, behind
+    a long kernel. When e0's bell rings, e2's entry (nobody waits on it) must
+    not be armed: its handle now completes at once, and would wake A before
+    e1's kernel wrote its data."""
+    cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    s, idle = cs.Stream(), cs.Stream()
+    data = sim.empty(4, "int32")
+    _np(data)[:] = 0
+    sim.launch(s, lambda: None, duration=0.05)
+    e0 = s.record()
+    sim.launch(s, lambda: _np(data).fill(1), duration=0.3)
+    e1 = s.record()
+    sim.launch(s, lambda: None, duration=0.01)
+    e2 = s.record()
+    seen: list[list[int]] = []
+    reused: list[bool] = []
+
+    async def a() -> None:
+        await e0.wait()
+        await e1.wait()
+        seen.append(_np(data).tolist())
+
+    async def b() -> None:
+        with anyio.move_on_after(0.005):
+            await e2.wait()
+        handle = e2.handle
+        e2.close()
+        e3 = idle.record()
+        reused.append(e3.handle == handle)
+        await anyio.sleep(0.4)
+        e3.close()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a)
+            tg.start_soon(b)
+    s.synchronize()
+    assert reused == [True]  # the simulator reuses handles as CUDA does
+    assert seen == [[1, 1, 1, 1]]
+    e0.close()
+    e1.close()
+
+
+async def test_closing_an_event_that_a_task_awaits_defers_its_destruction() -> None:
+    """Another task closes the event A awaits: its handle is not freed under A
+    (so no other event can take it, and no bell or query meant for it answers
+    for another record). A returns once the work is done; then it is freed."""
+    backend = cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    s = cs.Stream()
+    data = sim.empty(4, "int32")
+    _np(data)[:] = 0
+    sim.launch(s, lambda: _np(data).fill(1), duration=0.2)
+    event = s.record()
+    handle = event.handle
+    seen: list[list[int]] = []
+
+    async def a() -> None:
+        await event.wait()
+        seen.append(_np(data).tolist())
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(a)
+            await anyio.sleep(0.01)
+            event.close()
+            with pytest.raises(ValueError):
+                event.handle  # noqa: B018 - closed for its owner at once
+            other = backend.create_event()
+            assert other != handle  # not freed while A waits
+            backend.destroy_event(other)
+    assert seen == [[1, 1, 1, 1]]
+    again = backend.create_event()  # freed once A's wait ended
+    assert again == handle
+    backend.destroy_event(again)
+
+
+async def test_one_stream_waited_out_of_order_does_not_take_every_lane() -> None:
+    """Waiters arriving in reverse record order each need a lane where nothing
+    later is queued; one stream gets at most MAX_LANES_PER_STREAM, so another
+    stream's waiter still gets a bell and wakes long before the slow pass."""
+    cs.use_backend("sim")
+    cs.configure(poll=_sleepy("doorbell"))
+    slow, gate = cs.Stream(), threading.Event()
+    sim.launch(slow, lambda: gate.wait(20))
+    events = [slow.record() for _ in range(20)]
+    key = events[0]._mark.key
+    try:
+        async with anyio.create_task_group() as tg:
+            for event in reversed(events):
+                tg.start_soon(event.wait)
+                await anyio.sleep(0.002)  # each arrives as its stream's new head
+            serving = [len(ls) for (_, k), ls in _doorbell._doorbell.serving.items() if k == key]
+            woke = await _time_one_wait(0.01)
+            gate.set()
+    finally:
+        gate.set()
+    assert serving == [_doorbell.MAX_LANES_PER_STREAM]
+    assert woke < SLOW / 2
+    for event in events:
+        event.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
+async def test_a_forked_child_does_not_hold_back_a_bell() -> None:
+    """A child made by fork() while a bell is armed gets copies of its write
+    end; it closes them, or the bell could not ring until the child exits
+    (end-of-file needs every copy closed). The child lives 1 s; the bell's
+    kernel takes 0.05 s, and passes are SLOW apart."""
+    cs.use_backend("sim")
+    cs.configure(poll=_sleepy("doorbell"))
+    s = cs.Stream()
+    sim.launch(s, lambda: None, duration=0.05)
+    event = s.record()
+    woke: list[float] = []
+    start = time.perf_counter()
+
+    async def wait() -> None:
+        await event.wait()
+        woke.append(time.perf_counter() - start)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        await anyio.sleep(0.01)  # the bell is armed: its write end handed over
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads
+            pid = os.fork()
+        if pid == 0:  # the child: hold whatever copies it kept, then leave
+            time.sleep(1.0)  # noqa: ASYNC251 - the child's loop is not run again
+            os._exit(0)
+    os.waitpid(pid, 0)  # noqa: ASYNC222 - after the loop's work, in a test
+    assert woke[0] < SLOW / 2, woke
+    event.close()
