@@ -75,7 +75,7 @@ class EventPool:
     def acquire(self) -> int:
         with self._lock:
             if not self._free:  # queries only when there is nothing to hand out
-                self._reclaim(limit=4, misses=1)
+                self._reclaim(limit=4)
             if self._free:
                 self.acquired += 1
                 return self._free.pop()
@@ -93,7 +93,7 @@ class EventPool:
                 self._captured.append((event, keepalive, mark.key))
             else:
                 self._draining.append((event, keepalive))
-            self._reclaim(limit=2, misses=1)
+            self._reclaim(limit=2)
 
     def reuse(self, event: int) -> None:
         """Give back ``event``, which the caller saw complete: free at once, no query."""
@@ -108,8 +108,7 @@ class EventPool:
         with self._lock:
             self._reclaim(limit=max(len(self._draining), len(self._captured)))
 
-    def _reclaim(self, limit: int, misses: int = 0) -> None:
-        """Up to ``limit`` queries; stop after ``misses`` found events not done (0: never)."""
+    def _reclaim(self, limit: int) -> None:
         for _ in range(min(limit, len(self._captured))):
             event, keepalive, key = self._captured[0]
             if _capture_guard.capturing(self._backend, key) is not False:
@@ -129,9 +128,6 @@ class EventPool:
                     done = None  # its work failed: never reuse it
                 if done is False:
                     self._draining.rotate(-1)
-                    if misses == 1:  # work is piling up: the later events are
-                        return  # likely pending too, and a query is not free
-                    misses -= 1
                     continue
                 self._draining.popleft()
                 del keepalive
