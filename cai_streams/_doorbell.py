@@ -12,10 +12,13 @@ means its event is complete, so the poller wakes that event's waiters without
 a query, then makes one pass at once for whatever else completed. A
 producer's stream never waits behind a bell: only the lane does.
 
-The poller stays in charge. Bells are armed when a waiter parks on an idle
-stream and once the poller has backed off to its ``cap`` (while passes keep
-finding completions, polling is as prompt and cheaper); while every pending
-stream has one, the poller sleeps the policy's ``fallback`` between passes,
+The poller stays in charge. A stream's oldest pending event gets a bell when
+a waiter parks on it, the next one when a bell rings (as long as bells beat
+the passes to it), and every stream's once the poller has backed off to its
+``cap`` (while passes keep finding completions, polling is as prompt and
+cheaper). Nothing is armed for an event nobody waits on any more: it may
+have been destroyed and its handle given to another record. While every
+pending stream has a bell, the poller sleeps the policy's ``fallback`` between passes,
 and those passes still find errors (a device that faulted runs no host
 function again). A capturing stream never gets a bell, nor does anything when
 the platform has no pipes and no ``close`` to call, or every lane is busy: the
@@ -28,8 +31,12 @@ it shows end-of-file. It never closes a write end that it handed to a host
 function while that function may still run: the number belongs to the driver
 until then, so the library can never close a descriptor someone else was
 given meanwhile. Only when a query finds the lane idle and the read end still
-open (the function was skipped: its device faulted and was reset since) does
-it close the write end itself. On a device that faulted for good, the ends
+open (the function was skipped: its device faulted and was reset since; or a
+forked child holds a copy) does it close the write end itself, and only if
+the number still names that pipe. A forked child closes its copies of the
+write ends at once (``os.register_at_fork``), or the parent's bells could not
+ring while it lives. Bells of an event loop closed without cancelling its
+tasks are retired by the next sweep. On a device that faulted for good, the ends
 stay open for the life of the process (a faulted CUDA context is unusable
 anyway). The doorbell holds at most ``MAX_FDS`` descriptors
 (``stats()["doorbell_fds"]``): beyond that, it settles what it can, then
@@ -53,6 +60,7 @@ import os
 import stat
 import threading
 import warnings
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Final, Literal, Protocol
 
@@ -118,11 +126,15 @@ class Armable(Protocol):
 
 
 class _Phase(enum.Enum):
-    """Where one bell stands: the loop watches its read end until it fires or
-    its poller stops watching first."""
+    """Where one bell stands: the loop watches its read end until it fires
+    (then closes the read end) or its poller stops watching first."""
 
     WATCHED = "watched"
+    #: the host function closed the write end; the loop still holds the read end
     FIRED = "fired"
+    #: fired, and the loop closed the read end
+    CLOSED = "closed"
+    #: no longer watched before it fired: both ends are the doorbell's now
     RETIRED = "retired"
 
 
@@ -150,7 +162,7 @@ class _Lane:
 class _Bell:
     """One armed bell: its pipe, for the entry it was armed for."""
 
-    __slots__ = ("entry", "key", "lane", "phase", "rfd", "wfd")
+    __slots__ = ("entry", "key", "lane", "loop_closed", "phase", "rfd", "wfd")
 
     def __init__(self, entry: Armable, key: Hashable, lane: _Lane, rfd: int, wfd: int) -> None:
         self.entry = entry
@@ -161,6 +173,9 @@ class _Bell:
         #: once an idle lane shows the function will never run (it was skipped)
         self.wfd = wfd
         self.phase = _Phase.WATCHED
+        #: whether the event loop watching it has been closed (without its
+        #: poller ending: then a sweep retires the bell)
+        self.loop_closed: Callable[[], bool] = _never
 
 
 #: a bell that fired: the poller's entry and its queue's key (its producer stream)
@@ -222,6 +237,12 @@ class _Doorbell:
         #: write ends handed to host functions and not known closed, with their
         #: pipe's inode (a forked child closes its copies: see after_fork_in_child)
         self.handed: dict[int, int] = {}
+        #: bells the loops watch (a sweep retires those whose loop was closed)
+        self.watched: set[_Bell] = set()
+        #: what the loops reported (done), applied under the lock by whoever
+        #: holds it next: a report may come from a garbage collection that ran
+        #: while this thread held the lock
+        self._reports: deque[tuple[_Bell, _Phase]] = deque()
         self.lanes: dict[tuple[Backend, int], list[_Lane]] = {}
         #: the lanes serving each producer stream (more than one only when
         #: waiters arrived out of record order)
@@ -245,6 +266,7 @@ class _Doorbell:
         if not close or backend in self.no_host_functions or _capturing(backend, key):
             return None
         with self.lock:
+            self._apply_reports()
             adopted = self._adopt(entry, key)
             if adopted is not None:
                 return adopted
@@ -254,9 +276,11 @@ class _Doorbell:
                     return None  # the poller's cadence covers it
             try:
                 rfd, wfd = _pipe()
+                inode = os.fstat(rfd).st_ino
             except OSError:  # out of descriptors, say
                 return None
             self.fds += 2
+            self.handed[wfd] = inode  # before the driver has it: a fork may come any time
             lane = self._lane_for(backend, key, entry.seq)
             if lane is not None:
                 try:
@@ -273,12 +297,14 @@ class _Doorbell:
                     self._retire_lane(lane)
                     lane = None
                 else:  # from here on the write end is the driver's to close
-                    self.handed[wfd] = os.fstat(rfd).st_ino
                     lane.watched += 1
                     lane.tail = entry.seq
                     counters.armed += 1
-                    return _Bell(entry, key, lane, rfd, wfd)
+                    bell = _Bell(entry, key, lane, rfd, wfd)
+                    self.watched.add(bell)
+                    return bell
             self.fds -= 2
+            del self.handed[wfd]
         os.close(rfd)  # never handed over: both ends are still ours
         os.close(wfd)
         return None
@@ -295,7 +321,9 @@ class _Doorbell:
                     del lane.orphans[i]
                     lane.watched += 1
                     counters.armed += 1
-                    return _Bell(entry, key, lane, orphan.rfd, orphan.wfd)
+                    bell = _Bell(entry, key, lane, orphan.rfd, orphan.wfd)
+                    self.watched.add(bell)
+                    return bell
         return None
 
     def _lane_for(self, backend: Backend, key: Hashable, seq: int) -> _Lane | None:
@@ -341,6 +369,7 @@ class _Doorbell:
     def _reclaim_fds(self) -> None:
         """Lock held: settle every orphan that can be (waiters that keep timing
         out on a long kernel leave one per wait)."""
+        self._retire_abandoned()
         for pool in self.lanes.values():
             for lane in pool:
                 if lane.orphans:
@@ -382,9 +411,9 @@ class _Doorbell:
         for bell in lane.orphans:
             if _has_fired(bell.rfd):
                 os.close(bell.rfd)
-            elif idle:  # it was skipped: nobody else will ever close the write end
+            elif idle:  # it ran or was skipped: nobody else will close the write end
                 os.close(bell.rfd)
-                os.close(bell.wfd)
+                self._close_if_ours(bell.wfd)
             else:
                 kept.append(bell)
                 continue
@@ -429,18 +458,46 @@ class _Doorbell:
                     f"leaked notifier stream {lane.stream:#x}: {exc}", CudaWarning, stacklevel=3
                 )
 
+    def _close_if_ours(self, wfd: int) -> None:
+        """Lock held: close ``wfd`` if it still names the pipe it was made for
+        (the host function may have closed it, and the number gone to another
+        file since; a forked child's copy would have kept the pipe open)."""
+        inode = self.handed.get(wfd)
+        try:
+            info = os.fstat(wfd)
+            if inode is not None and stat.S_ISFIFO(info.st_mode) and info.st_ino == inode:
+                os.close(wfd)
+        except OSError:  # closed meanwhile
+            pass
+
     def done(self, bell: _Bell, phase: _Phase) -> None:
-        """The loop stopped watching ``bell``: it fired (the loop closes the
-        read end; the host function closed the write end), or was retired (the
-        doorbell keeps both ends until it knows what became of the write end)."""
+        """The loop reports ``bell`` FIRED (the host function closed the write
+        end), CLOSED (then the loop closed the read end), or RETIRED (no longer
+        watched before it fired: the doorbell keeps both ends until it knows
+        what became of the write end). Never waits for the lock: it may be
+        called from a garbage collection while this thread holds it."""
         bell.phase = phase
-        with self.lock:
+        self._reports.append((bell, phase))
+        if self.lock.acquire(blocking=False):
+            try:
+                self._apply_reports()
+            finally:
+                self.lock.release()
+
+    def _apply_reports(self) -> None:
+        """Lock held."""
+        while self._reports:
+            bell, phase = self._reports.popleft()
             lane = bell.lane
+            if phase is _Phase.CLOSED:
+                self.fds -= 1
+                continue
+            self.watched.discard(bell)
             lane.watched -= 1
             if phase is _Phase.FIRED:
                 counters.fired += 1
                 self.handed.pop(bell.wfd, None)
-                self.fds -= 2
+                self.fds -= 1
                 if lane.orphans:  # the functions enqueued before it ran
                     self._close_orphans(lane, idle=False)
             else:
@@ -449,31 +506,39 @@ class _Doorbell:
             if not lane.watched and not lane.orphans:
                 self._release(lane)
 
+    def _retire_abandoned(self) -> None:
+        """Lock held: bells whose event loop was closed with its poller still
+        running (``loop.close()`` without cancelling its tasks) are retired."""
+        for bell in list(self.watched):
+            if bell.phase is _Phase.WATCHED and bell.loop_closed():
+                bell.phase = _Phase.RETIRED
+                self._reports.append((bell, _Phase.RETIRED))
+        self._apply_reports()
+
     def sweep(self) -> None:
         """Settle the orphans of every lane, free the lanes found idle, retire
         those whose device faulted, and destroy the retired ones that have
         nothing left. One stream query per lane in use; never blocks."""
         with self.lock:
+            self._retire_abandoned()
             for pool in list(self.lanes.values()):
                 for lane in list(pool):
                     if (lane.key is not None or lane.orphans) and not self._settle(lane):
                         self._retire_lane(lane)
             self._drop_retired()
 
-    def after_fork_in_child(self) -> None:
+    def close_handed_copies(self) -> None:
         """In a child made by ``fork()``: close its copies of the write ends
         handed to host functions, or the parent's bells could not ring while
         the child lives (end-of-file needs every copy closed). Only those still
-        naming their pipe: never a descriptor the number was given to since."""
-        self.lock = threading.Lock()  # another thread may have held it at the fork
-        for wfd, inode in list(self.handed.items()):
-            try:
-                info = os.fstat(wfd)
-            except OSError:
-                continue
-            if stat.S_ISFIFO(info.st_mode) and info.st_ino == inode:
-                os.close(wfd)
-        self.handed.clear()
+        naming their pipe: never a descriptor the number was given to since.
+        (The lock may have been held by another thread at the fork: not taken.)"""
+        for wfd in list(self.handed):
+            self._close_if_ours(wfd)
+
+
+def _never() -> bool:
+    return False
 
 
 def _capturing(backend: Backend, key: Hashable) -> bool:
@@ -490,8 +555,18 @@ def _capturing(backend: Backend, key: Hashable) -> bool:
 
 
 _doorbell = _Doorbell()
+
+
+def _after_fork_in_child() -> None:
+    """The parent's lanes and bells are not this process's: close the copies
+    that would hold the parent's bells back, and start afresh."""
+    global _doorbell
+    _doorbell.close_handed_copies()
+    _doorbell = _Doorbell()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=lambda: _doorbell.after_fork_in_child())
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def stats() -> dict[str, int]:
@@ -547,14 +622,16 @@ class PollerBells:
                 def readable(bell: _Bell) -> None:
                     # Nothing is ever written to the pipe, so readable means
                     # end-of-file: the host function ran. Wake the waiters
-                    # first, then make the system calls (each releases the
-                    # GIL, which the notifier stream's thread would take)
-                    # after they have resumed.
+                    # first; close the read end (a system call, which releases
+                    # the GIL to the notifier stream's thread) after they resume.
                     if bell.phase is _Phase.WATCHED:
-                        self._poller_rang([(bell.entry, bell.key)])
-                        self._stop_watching(bell, _Phase.FIRED, later=loop.call_soon)
+                        try:
+                            self._poller_rang([(bell.entry, bell.key)])
+                        finally:
+                            self._stop_watching(bell, _Phase.FIRED, later=loop.call_soon)
 
                 def watch(bell: _Bell) -> None:
+                    bell.loop_closed = loop.is_closed
                     loop.add_reader(bell.rfd, readable, bell)
 
                 def unwatch(bell: _Bell) -> None:
@@ -573,15 +650,23 @@ class PollerBells:
             if bell.phase is _Phase.WATCHED:  # never touch a read end closed meanwhile
                 await trio.lowlevel.wait_readable(bell.rfd)  # end-of-file: it ran
                 if bell.phase is _Phase.WATCHED:
-                    self._poller_rang([(bell.entry, bell.key)])
-                    self._stop_watching(bell, _Phase.FIRED)
+                    try:
+                        self._poller_rang([(bell.entry, bell.key)])
+                    finally:
+                        self._stop_watching(bell, _Phase.FIRED)
         except trio.ClosedResourceError:
             pass  # retired: its read end was closed
+        except Exception as exc:  # noqa: BLE001 - never out of a system task (it ends the run)
+            warnings.warn(f"doorbell: {exc!r}", CudaWarning, stacklevel=1)
+            self.wake_now()  # the poller's pass takes over
         finally:
             if bell.phase is _Phase.WATCHED:  # the run is ending
                 self._retire(bell)
 
     def _retire(self, bell: _Bell) -> None:
+        if bell.phase is not _Phase.WATCHED:  # a sweep retired it (its loop was closed):
+            self._watched.discard(bell)  # its read end is the doorbell's, maybe closed
+            return
         # it may have fired just now, its callback not yet run: say so
         self._stop_watching(bell, _Phase.FIRED if _has_fired(bell.rfd) else _Phase.RETIRED)
 
@@ -605,6 +690,7 @@ class PollerBells:
     def _close_read_end(self, bell: _Bell) -> None:
         self._unwatch(bell)
         os.close(bell.rfd)
+        _doorbell.done(bell, _Phase.CLOSED)
 
     def retire_all(self) -> None:
         """The poller ended: stop watching every bell still armed. Their host
@@ -637,6 +723,7 @@ class PollerBells:
         try:
             watch(bell)
         except BaseException:
+            entry.bell = BellState.REFUSED  # not covered: the poller's cadence serves
             self._retire(bell)
             raise
 

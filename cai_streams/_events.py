@@ -17,6 +17,10 @@ from ._identity import StreamId
 __all__ = ["EventPool", "Mark", "of_backend", "pool_for", "pools_of", "record", "registered"]
 
 _order = itertools.count()
+#: a record and its place in record order are taken together: two threads
+#: recording on one stream must not get places in the other order (the
+#: doorbell takes a bell for proof that everything placed before it is done)
+_record_lock = threading.Lock()
 
 
 class Mark(NamedTuple):
@@ -41,8 +45,10 @@ def record(backend: Backend, event: int, key: StreamId) -> Mark:
     Only enqueues. For handle 2 the caller must be ``key``'s thread.
     """
     captured = _capture_guard.capturing(backend, key) is True
-    backend.record(event, key.handle)
-    return Mark(key, next(_order), captured)
+    with _record_lock:
+        backend.record(event, key.handle)
+        seq = next(_order)
+    return Mark(key, seq, captured)
 
 
 #: free events kept for reuse; beyond this they are destroyed

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from . import _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
-from ._errors import CaptureError, CudaWarning
+from ._errors import CaptureError, CudaError, CudaWarning
 from ._events import Mark, record
 from ._identity import (
     Lifetime,
@@ -506,9 +506,9 @@ class Event:
         the event is destroyed once the last wait on it ends.
         """
         mark = self._mark
-        handle = self.handle
         _capture_guard.check_host_wait(self._backend, mark.key, mark, "Event.wait()")
-        with _waits_lock:
+        with _waits_lock:  # the check and the count as one: close() sees either
+            handle = self.handle
             self._waits += 1
         try:
             await wait_for_event(self._backend, handle, mark=mark, timeout=timeout, keepalive=self)
@@ -519,7 +519,10 @@ class Event:
                 if last:
                     self._state = _EventState.DESTROYED
             if last:
-                self._backend.destroy_event(self._handle)
+                try:
+                    self._backend.destroy_event(handle)
+                except CudaError as exc:  # never in place of the wait's own outcome
+                    warnings.warn(f"leaked event {handle:#x}: {exc}", CudaWarning, stacklevel=2)
 
     def close(self) -> None:
         """Destroy the event (once the waits on it under way have ended). Safe

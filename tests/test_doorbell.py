@@ -673,3 +673,71 @@ async def test_a_forked_child_does_not_hold_back_a_bell() -> None:
     os.waitpid(pid, 0)  # noqa: ASYNC222 - after the loop's work, in a test
     assert woke[0] < SLOW / 2, woke
     event.close()
+
+
+async def test_the_doorbell_never_closes_a_descriptor_that_is_not_its_own() -> None:
+    """A retired bell's host function ran, but another copy of its write end
+    (a forked child's, here a dup) kept the pipe from ending; the number the
+    function closed went to an unrelated file. When the sweep finds the lane
+    idle, it must close only what still names its pipe (control: closing the
+    number unchecked closes the unrelated file)."""
+    cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    _settled()
+    s, gate = cs.Stream(), threading.Event()
+    sim.launch(s, lambda: gate.wait(20))
+    event = s.record()
+    with anyio.move_on_after(0.005):
+        await event.wait()
+    await _poller_ended()
+    (orphan,) = [b for pool in _doorbell._doorbell.lanes.values() for lane in pool
+                 for b in lane.orphans if b.entry.event == event.handle]  # fmt: skip
+    copy = os.dup(orphan.wfd)
+    gate.set()
+    s.synchronize()  # the host function closed its write end: the number is free
+    unrelated = os.open(os.devnull, os.O_RDONLY)
+    try:
+        if unrelated != orphan.wfd:
+            pytest.skip("the number went elsewhere")
+        cs.stats()  # the sweep: the lane is idle, and the pipe did not end
+        os.fstat(unrelated)  # still open
+    finally:
+        os.close(unrelated)
+        os.close(copy)
+    cs.stats()
+    event.close()
+    s.close()
+
+
+def test_bells_of_a_loop_closed_with_its_poller_running_are_retired() -> None:
+    """``loop.close()`` without cancelling its tasks leaves the poller and its
+    bell behind; a sweep retires the bell and closes its pipe once it can
+    (control: without it, two descriptors and a lane stay taken for good)."""
+    import asyncio
+
+    cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    before = _settled()
+    s, gate = cs.Stream(), threading.Event()
+    sim.launch(s, lambda: gate.wait(20))
+    event = s.record()
+    loop = asyncio.new_event_loop()
+
+    async def start() -> None:
+        loop.create_task(event.wait())  # noqa: RUF006 - abandoned on purpose
+        await asyncio.sleep(0.01)
+
+    try:
+        loop.run_until_complete(start())
+        assert _doorbell._doorbell.fds - before["doorbell_fds"] == 2  # armed
+    finally:
+        loop.close()
+        gate.set()
+    s.synchronize()
+    after = _settled()
+    assert after["doorbell_fds"] == before["doorbell_fds"]
+    armed = after["doorbells_armed"] - before["doorbells_armed"]
+    fired = after["doorbells_fired"] - before["doorbells_fired"]
+    retired = after["doorbells_retired"] - before["doorbells_retired"]
+    assert armed == fired + retired == 1
+    s.close()
