@@ -59,6 +59,7 @@ import enum
 import os
 import stat
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -98,6 +99,9 @@ MAX_LANES_PER_STREAM: Final = 4
 #: file descriptors the doorbell holds at most (two per armed bell, kept by a
 #: retired bell until settled); beyond this a bell is refused
 MAX_FDS: Final = 128
+#: seconds between the settling of retired bells that arming does (a sweep,
+#: ``stats()``, settles them at once)
+SETTLE_EVERY: Final = 0.05
 
 
 class BellState(enum.Enum):
@@ -239,6 +243,7 @@ class _Doorbell:
         self.handed: dict[int, int] = {}
         #: bells the loops watch (a sweep retires those whose loop was closed)
         self.watched: set[_Bell] = set()
+        self._settled_at = 0.0  # when arming last settled the retired bells
         #: what the loops reported (done), applied under the lock by whoever
         #: holds it next: a report may come from a garbage collection that ran
         #: while this thread held the lock
@@ -270,7 +275,9 @@ class _Doorbell:
             adopted = self._adopt(entry, key)
             if adopted is not None:
                 return adopted
-            if self.fds + 2 > MAX_FDS:
+            now = time.monotonic()
+            if self.fds + 2 > MAX_FDS or now - self._settled_at > SETTLE_EVERY:
+                self._settled_at = now
                 self._reclaim_fds()
                 if self.fds + 2 > MAX_FDS:
                     return None  # the poller's cadence covers it
@@ -361,7 +368,11 @@ class _Doorbell:
         once its orphans settle, so that a service making a stream per request
         never runs out of lanes."""
         for lane in pool:
-            if lane.orphans and not lane.watched and self._settle(lane) and not lane.orphans:
+            if lane.watched:
+                continue
+            if lane.orphans:
+                self._settle(lane)
+            if not lane.orphans:
                 self._release(lane)
                 return lane
         return None
@@ -390,8 +401,8 @@ class _Doorbell:
         else:
             answered = True
         self._close_orphans(lane, idle)
-        if idle and not lane.watched and lane.key is not None:
-            self._release(lane)
+        if not lane.watched and not lane.orphans and lane.key is not None:
+            self._release(lane)  # nothing of its bells is left on it
         return answered
 
     @staticmethod
