@@ -239,7 +239,7 @@ class _Doorbell:
         #: descriptors held now: read ends not closed, write ends not known closed
         self.fds = 0
         #: write ends handed to host functions and not known closed, with their
-        #: pipe's inode (a forked child closes its copies: see after_fork_in_child)
+        #: pipe's inode (a forked child closes its copies: close_handed_copies)
         self.handed: dict[int, int] = {}
         #: bells the loops watch (a sweep retires those whose loop was closed)
         self.watched: set[_Bell] = set()
@@ -283,8 +283,13 @@ class _Doorbell:
                     return None  # the poller's cadence covers it
             try:
                 rfd, wfd = _pipe()
-                inode = os.fstat(rfd).st_ino
             except OSError:  # out of descriptors, say
+                return None
+            try:
+                inode = os.fstat(rfd).st_ino
+            except OSError:
+                os.close(rfd)
+                os.close(wfd)
                 return None
             self.fds += 2
             self.handed[wfd] = inode  # before the driver has it: a fork may come any time
