@@ -299,7 +299,7 @@ class _Doorbell:
                     backend.stream_wait_event(lane.stream, event)
                     backend.launch_host_func(lane.stream, close, wfd)
                 except CudaError:  # the poller finds the error, if it is the event's
-                    if not self._answers(lane):  # its device faulted
+                    if self._query(lane) is None:  # its device faulted
                         self._retire_lane(lane)
                     elif not lane.watched and not lane.orphans:
                         self._release(lane)
@@ -385,12 +385,30 @@ class _Doorbell:
     def _reclaim_fds(self) -> None:
         """Lock held: settle every orphan that can be (waiters that keep timing
         out on a long kernel leave one per wait)."""
+        self._sweep_locked(in_use=False)
+
+    def _sweep_locked(self, *, in_use: bool) -> None:
+        """Lock held: retire the bells of closed loops, settle the orphans of
+        every lane (``in_use``: also free the lanes serving a stream that are
+        found idle, and retire those whose device faulted), and destroy the
+        retired lanes that have nothing left."""
         self._retire_abandoned()
-        for pool in self.lanes.values():
-            for lane in pool:
-                if lane.orphans:
-                    self._settle(lane)
+        for pool in list(self.lanes.values()):
+            for lane in list(pool):
+                if lane.orphans or (in_use and lane.key is not None):
+                    if not self._settle(lane) and in_use:
+                        self._retire_lane(lane)
         self._drop_retired()
+
+    @staticmethod
+    def _query(lane: _Lane) -> bool | None:
+        """Whether every host function enqueued on ``lane`` has run; None if
+        its device faulted. Never blocks, never invalidates a capture."""
+        try:
+            with relaxed(lane.backend):
+                return lane.backend.query_stream(lane.stream)
+        except CudaError:
+            return None
 
     def _settle(self, lane: _Lane) -> bool:
         """Lock held: close what is known of ``lane``'s orphans: a read end at
@@ -398,27 +416,11 @@ class _Doorbell:
         once a query finds the lane idle and the function never ran (its
         device was reset after a fault). Returns whether the lane answered
         the query (False: its device is faulted). Never blocks."""
-        try:
-            with relaxed(lane.backend):  # never invalidates another thread's capture
-                idle = lane.backend.query_stream(lane.stream)
-        except CudaError:
-            idle, answered = False, False
-        else:
-            answered = True
-        self._close_orphans(lane, idle)
+        idle = self._query(lane)
+        self._close_orphans(lane, bool(idle))
         if not lane.watched and not lane.orphans and lane.key is not None:
             self._release(lane)  # nothing of its bells is left on it
-        return answered
-
-    @staticmethod
-    def _answers(lane: _Lane) -> bool:
-        """Whether ``lane`` answers a query (its device has not faulted)."""
-        try:
-            with relaxed(lane.backend):
-                lane.backend.query_stream(lane.stream)
-        except CudaError:
-            return False
-        return True
+        return idle is not None
 
     def _close_orphans(self, lane: _Lane, idle: bool) -> None:
         """Lock held: close the orphans whose write end the host function
@@ -536,12 +538,7 @@ class _Doorbell:
         those whose device faulted, and destroy the retired ones that have
         nothing left. One stream query per lane in use; never blocks."""
         with self.lock:
-            self._retire_abandoned()
-            for pool in list(self.lanes.values()):
-                for lane in list(pool):
-                    if (lane.key is not None or lane.orphans) and not self._settle(lane):
-                        self._retire_lane(lane)
-            self._drop_retired()
+            self._sweep_locked(in_use=True)
 
     def close_handed_copies(self) -> None:
         """In a child made by ``fork()``: close its copies of the write ends
