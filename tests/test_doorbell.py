@@ -62,6 +62,18 @@ async def _poller_ended() -> None:
             await anyio.sleep(0.005)
 
 
+async def _fds_after_timed_out_waits(events: list[cs.Event], baseline: int) -> list[int]:
+    """Wait on each event in turn, giving up after 1 ms; the descriptors the
+    doorbell holds (above ``baseline``) once each wait's poller has ended."""
+    held = []
+    for event in events:
+        with anyio.move_on_after(0.001):
+            await event.wait()
+        await _poller_ended()
+        held.append(_doorbell._doorbell.fds - baseline)
+    return held
+
+
 async def _open_fds() -> int | None:
     """This process's open descriptors once every poller of this loop has ended
     and every notifier stream is idle (None where /proc is missing)."""
@@ -484,13 +496,8 @@ async def test_a_waiter_that_keeps_timing_out_rearms_one_pipe() -> None:
     s, gate = cs.Stream(), threading.Event()
     sim.launch(s, lambda: gate.wait(20))
     event = s.record()
-    held = []
     try:
-        for _ in range(20):
-            with anyio.move_on_after(0.001):
-                await event.wait()
-            await _poller_ended()
-            held.append(_doorbell._doorbell.fds - before["doorbell_fds"])
+        held = await _fds_after_timed_out_waits([event] * 20, before["doorbell_fds"])
     finally:
         gate.set()
     await event.wait()
@@ -517,13 +524,8 @@ async def test_waits_that_time_out_on_many_records_hold_at_most_max_fds(
     s, gate = cs.Stream(), threading.Event()
     sim.launch(s, lambda: gate.wait(20))
     events = [s.record() for _ in range(40)]
-    held = []
-    try:
-        for event in reversed(events):  # each a new head of its stream
-            with anyio.move_on_after(0.001):
-                await event.wait()
-            await _poller_ended()
-            held.append(_doorbell._doorbell.fds - before["doorbell_fds"])
+    try:  # in reverse: each a new head of its stream
+        held = await _fds_after_timed_out_waits(events[::-1], before["doorbell_fds"])
     finally:
         gate.set()
     s.synchronize()
