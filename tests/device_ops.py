@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
+import anyio
 import numpy as np
 
 import cai_streams as cs
@@ -24,6 +25,23 @@ KERNELS = Path(__file__).resolve().parent / "kernels"
 
 class Latch(Protocol):
     def release(self) -> None: ...
+
+
+async def consume_after_latch(obj: object, latch: Latch) -> cs.ArrayView:
+    """``await cs.consume(obj)`` in a task while ``latch`` holds the producer's
+    stream: it must not return until the latch is released."""
+    got: list[cs.ArrayView] = []
+
+    async def host() -> None:
+        got.append(await cs.consume(obj, timeout=10))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(host)
+        await anyio.sleep(0.02)
+        assert not got, "a host consumer returned before the producer's work"
+        latch.release()
+    (view,) = got
+    return view
 
 
 class DeviceOps(Protocol):

@@ -21,7 +21,7 @@ import cai_streams as cs
 from cai_streams import sim
 from cai_streams._consume import Mode, _handoff
 
-from .device_ops import DeviceOps
+from .device_ops import DeviceOps, consume_after_latch
 
 pytestmark = pytest.mark.anyio
 
@@ -625,17 +625,8 @@ async def test_each_row_of_the_mode_table(ops: DeviceOps, row: Mode) -> None:
             obj = _Producer(arr, p.handle)
         assert _handoff(obj, stream, sync, cs.current_backend()).mode is row
         if row in (Mode.TRACKED_HOST, Mode.UNTRACKED_HOST):
-            got: list[cs.ArrayView] = []
-
-            async def host() -> None:
-                got.append(await cs.consume(obj, timeout=10))
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(host)
-                await anyio.sleep(0.02)
-                assert not got, "a host consumer returned before the producer's work"
-                latch.release()
-            assert got[0].stream is None and (ops.to_host(arr) == 1).all()
+            view = await consume_after_latch(obj, latch)
+            assert view.stream is None and (ops.to_host(arr) == 1).all()
             return
         async with cs.consuming(obj, stream=stream, sync=sync) as view:  # returns at once
             expected = {

@@ -29,7 +29,7 @@ from cai_streams._consume import Mode, _handoff
 from cai_streams._dlpack_export import consumer_stream, live_exports
 from cai_streams._dlpack_import import DLPackOwner, Held, read_capsule
 
-from .device_ops import DeviceOps
+from .device_ops import DeviceOps, consume_after_latch
 
 pytestmark = pytest.mark.anyio
 
@@ -532,17 +532,7 @@ async def test_each_dlpack_row(row: Mode, exports: None) -> None:
     out = ops.array(np.full(64, -1.0, "float32"))
     try:
         if row is Mode.DLPACK_HOST:
-            got: list[cs.ArrayView] = []
-
-            async def host() -> None:
-                got.append(await cs.consume(obj, timeout=10))
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(host)
-                await anyio.sleep(0.02)
-                assert not got, "a host consumer returned before the producer's work"
-                latch.release()
-            (view,) = got
+            view = await consume_after_latch(obj, latch)
             export_stream = cs._scheduler.scheduler_for(cs.current_backend()).export_stream
             assert obj.calls[0]["stream"] == export_stream.handle
             assert view.stream is None and (ops.to_host(arr) == 3.0).all()
