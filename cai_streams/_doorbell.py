@@ -309,12 +309,8 @@ class _Doorbell:
                     self._retire_lane(lane)
                     lane = None
                 else:  # from here on the write end is the driver's to close
-                    lane.watched += 1
                     lane.tail = entry.seq
-                    counters.armed += 1
-                    bell = _Bell(entry, key, lane, rfd, wfd)
-                    self.watched.add(bell)
-                    return bell
+                    return self._watch(_Bell(entry, key, lane, rfd, wfd))
             self.fds -= 2
             del self.handed[wfd]
         os.close(rfd)  # never handed over: both ends are still ours
@@ -331,12 +327,15 @@ class _Doorbell:
             for i, orphan in enumerate(lane.orphans):
                 if orphan.entry.seq == entry.seq and orphan.entry.event == entry.event:
                     del lane.orphans[i]
-                    lane.watched += 1
-                    counters.armed += 1
-                    bell = _Bell(entry, key, lane, orphan.rfd, orphan.wfd)
-                    self.watched.add(bell)
-                    return bell
+                    return self._watch(_Bell(entry, key, lane, orphan.rfd, orphan.wfd))
         return None
+
+    def _watch(self, bell: _Bell) -> _Bell:
+        """Lock held: ``bell`` is armed and handed to a loop to watch."""
+        bell.lane.watched += 1
+        counters.armed += 1
+        self.watched.add(bell)
+        return bell
 
     def _lane_for(self, backend: Backend, key: Hashable, seq: int) -> _Lane | None:
         """Lock held: a lane of ``key`` where nothing later in its record order
