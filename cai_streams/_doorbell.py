@@ -613,6 +613,9 @@ class PollerBells:
         self._watched: set[_Bell] = set()
         self._wake: anyio.Event | None = None
         self._rung = False
+        #: the next heads of streams whose bell rang: armed by the poller task
+        #: in its next sleep, so that the waiters the ring woke resume first
+        self._chained: list[tuple[Armable, Hashable]] = []
 
     def _bind(self) -> Callable[[_Bell], None]:
         watch = self._watch
@@ -707,6 +710,7 @@ class PollerBells:
     def retire_all(self) -> None:
         """The poller ended: stop watching every bell still armed. Their host
         functions still close their write ends; nothing waits for that."""
+        self._chained.clear()
         for bell in list(self._watched):
             self._retire(bell)
 
@@ -715,6 +719,13 @@ class PollerBells:
         self._rung = True
         if self._wake is not None:
             self._wake.set()
+
+    def chain(self, entry: Armable, key: Hashable) -> None:
+        """``entry`` became its stream's head when a bell rang there: arm it in
+        the poller's next sleep. Arming makes system calls (a pipe, the
+        selector, the notifier stream), and each one hands the GIL to whichever
+        thread wants it; the waiters just woken should not wait behind them."""
+        self._chained.append((entry, key))
 
     def arm(self, entry: Armable, key: Hashable, mode: WakeMode) -> None:
         """Arm a bell for ``entry`` (a queue's head) if the policy wants one."""
@@ -752,7 +763,13 @@ class PollerBells:
         While passes keep finding completions (``delay`` below the policy's
         ``cap``), polling is cheaper than a bell per completion and as prompt;
         once the poller has backed off to ``cap``, every stream's oldest pending
-        event gets a bell and the poller sleeps ``fallback`` instead."""
+        event gets a bell and the poller sleeps ``fallback`` instead. The next
+        head of a stream whose bell rang gets one first, whatever ``delay``."""
+        chained, self._chained = self._chained, []
+        for entry, key in chained:
+            queue = queues.get(key)
+            if queue and queue[0] is entry:  # still its stream's oldest pending event
+                self.arm(entry, key, mode)
         if delay >= cap:
             covered = bool(queues)
             for key, queue in queues.items():

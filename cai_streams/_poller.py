@@ -215,8 +215,9 @@ class _Poller:
     def _rang(self, fired: list[Fired]) -> None:
         """Bells fired (in the loop): each one's event is complete, and so is every
         event recorded before it on its stream. Wake their waiters now, without a
-        query; then a pass at once takes whatever else completed meanwhile, and
-        arms the bells of what is still pending."""
+        query. Then the poller runs (after the woken waiters, under asyncio): a
+        pass takes whatever else completed meanwhile, and the next head of each
+        stream that rang gets a bell."""
         for entry, key in fired:
             queue = self.queues.get(key)
             assert isinstance(entry, _Entry)
@@ -237,8 +238,8 @@ class _Poller:
                     break
             while queue and not queue[0].waiters:  # all its waiters left: never armed
                 queue.popleft()
-            if queue:  # a bell that won keeps its stream rung: arm the next head now
-                self.bells.arm(queue[0], key, _policy.wake)
+            if queue:  # a bell that won keeps its stream rung: its next head gets
+                self.bells.chain(queue[0], key)  # one after the waiters resume
             else:
                 del self.queues[key]
         self.bells.wake_now()

@@ -166,6 +166,39 @@ async def test_an_earlier_event_waited_on_later_is_not_held_behind_a_later_one()
     assert woke["early"] < woke["late"] / 4, woke
 
 
+async def test_a_ring_wakes_its_waiter_before_the_next_bell_is_armed(anyio_backend: str) -> None:
+    """A stream whose bell rang gets a bell for its next head at once, not
+    only when the poller backs off (here it never does: its sleeps stay below
+    ``cap``), and after the waiters the ring woke resume (arming makes system
+    calls, each of which hands the GIL away). Under trio the woken waiter and
+    the poller run in either order, so only the first part holds there."""
+    cs.use_backend("sim")
+    cs.configure(
+        poll=cs.PollPolicy(spin=0, first=0.01, growth=1.0, cap=SLOW, fallback=SLOW, wake="doorbell")
+    )
+    s = cs.Stream()
+    sim.launch(s, lambda: None, duration=0.02)
+    first = s.record()
+    sim.launch(s, lambda: None, duration=0.05)
+    second = s.record()
+    before = _settled()
+    armed_at_resume: list[int] = []
+
+    async def wait_first() -> None:
+        await first.wait()
+        armed_at_resume.append(cs.stats()["doorbells_armed"] - before["doorbells_armed"])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_first)
+        await anyio.sleep(0.005)
+        await second.wait()
+    after = _settled()
+    assert after["doorbells_armed"] - before["doorbells_armed"] == 2  # the head, then the next
+    assert after["doorbells_fired"] - before["doorbells_fired"] == 2
+    if anyio_backend == "asyncio":
+        assert armed_at_resume == [1], armed_at_resume  # the next bell came after
+
+
 async def test_cancelled_and_timed_out_waiters_leak_no_bell(ops: DeviceOps) -> None:
     if ops.name != "sim":
         pytest.skip("the sim's counters; the GPU tier runs the same code")
