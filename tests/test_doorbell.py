@@ -199,6 +199,23 @@ async def test_a_ring_wakes_its_waiter_before_the_next_bell_is_armed(anyio_backe
         assert armed_at_resume == [1], armed_at_resume  # the next bell came after
 
 
+async def test_while_every_stream_has_a_bell_the_poller_sleeps_its_fallback() -> None:
+    """A bell armed for every pending stream makes fast passes pointless: the
+    poller sleeps ``fallback`` between them, not its fast cadence (control:
+    the same policy without bells passes at that cadence)."""
+    cs.use_backend("sim")
+    passes = {}
+    for wake in ("poll", "doorbell"):
+        cs.configure(
+            poll=cs.PollPolicy(spin=0, first=0.002, growth=1.0, cap=SLOW, fallback=0.05, wake=wake)
+        )
+        before = cs.stats()["poll_passes"]
+        await _time_one_wait(0.2)
+        passes[wake] = cs.stats()["poll_passes"] - before
+    assert passes["poll"] > 40, passes  # every 2 ms for 0.2 s
+    assert passes["doorbell"] < passes["poll"] / 4, passes
+
+
 async def test_cancelled_and_timed_out_waiters_leak_no_bell(ops: DeviceOps) -> None:
     if ops.name != "sim":
         pytest.skip("the sim's counters; the GPU tier runs the same code")
