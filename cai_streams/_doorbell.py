@@ -116,6 +116,17 @@ class BellState(enum.Enum):
     REFUSED = "refused"
 
 
+class Woken(enum.Enum):
+    """Whether the poller's sleep ends early, and so what its next pass queries."""
+
+    #: it sleeps its time, then passes over every stream
+    NO = "no"
+    #: only bells rang: a stream whose oldest event has a bell rings for itself
+    RUNG = "rung"
+    #: something asked for a pass over every stream (a bell refused, say)
+    PASS = "pass"
+
+
 class Armable(Protocol):
     """What the doorbell needs of a poller entry."""
 
@@ -615,8 +626,9 @@ class PollerBells:
         self._watched: set[_Bell] = set()
         #: ends the sleep in progress (None: none is)
         self._wake: Callable[[], object] | None = None
-        self._nap: Callable[[float], Awaitable[None]] | None = None
-        self._rung = False
+        #: sleeps at most its argument; True if the time ran out
+        self._nap: Callable[[float], Awaitable[bool]] | None = None
+        self._woken = Woken.NO
         #: the next heads of streams whose bell rang: armed by the poller task
         #: in its next sleep, so that the waiters the ring woke resume first
         self._chained: list[tuple[Armable, Hashable]] = []
@@ -718,9 +730,11 @@ class PollerBells:
         for bell in list(self._watched):
             self._retire(bell)
 
-    def wake_now(self) -> None:
-        """End the current sleep between passes (or the next one) at once."""
-        self._rung = True
+    def wake_now(self, why: Woken = Woken.PASS) -> None:
+        """End the current sleep between passes (or the next one) at once;
+        ``Woken.RUNG``: only bells rang (unless a full pass was asked for too)."""
+        if self._woken is not Woken.PASS:
+            self._woken = why
         if self._wake is not None:
             self._wake()
 
@@ -761,8 +775,9 @@ class PollerBells:
         mode: WakeMode,
         cap: float,
         fallback: float,
-    ) -> None:
-        """Sleep ``delay``, or until a bell rings. A cancellation point.
+    ) -> Woken:
+        """Sleep ``delay``, or until a bell rings or a pass is asked for; say
+        which (``Woken.PASS`` when the time ran out). A cancellation point.
 
         While passes keep finding completions (``delay`` below the policy's
         ``cap``), polling is cheaper than a bell per completion and as prompt;
@@ -773,6 +788,8 @@ class PollerBells:
         for entry, key in chained:
             queue = queues.get(key)
             if queue and queue[0] is entry:  # still its stream's oldest pending event
+                if entry.bell is BellState.REFUSED:  # no lane then (waiters came out of
+                    entry.bell = BellState.UNARMED  # record order, say): try once more
                 self.arm(entry, key, mode)
         backed_off = delay >= cap
         covered = bool(queues)
@@ -784,16 +801,19 @@ class PollerBells:
                 covered = covered and head.bell is BellState.ARMED
         if covered:  # every stream rings for itself: a pass now finds nothing new
             delay = max(delay, fallback)
-        if self._rung:
-            self._rung = False
-            await anyio.lowlevel.checkpoint()
-            return
-        try:
-            await (self._nap or self._bind_nap())(delay)
-        finally:
-            self._rung = False
+        woken: Woken = self._woken
+        if woken is Woken.NO:
+            try:
+                timed_out = await (self._nap or self._bind_nap())(delay)
+            finally:
+                woken, self._woken = self._woken, Woken.NO
+            # a pass that is due is a full one, whatever rang meanwhile
+            return Woken.PASS if timed_out or woken is Woken.NO else woken
+        self._woken = Woken.NO
+        await anyio.lowlevel.checkpoint()
+        return woken
 
-    def _bind_nap(self) -> Callable[[float], Awaitable[None]]:
+    def _bind_nap(self) -> Callable[[float], Awaitable[bool]]:
         """The event loop's own sleep that ``_wake`` ends early: a future and a
         timer under asyncio, a trio Event under a trio cancel scope. anyio's
         Event and ``move_on_after`` cost the loop several times more per
@@ -801,26 +821,27 @@ class PollerBells:
         if sniffio.current_async_library() == "trio":
             import trio
 
-            async def nap(delay: float) -> None:
+            async def nap(delay: float) -> bool:
                 event = trio.Event()
                 self._wake = event.set
                 try:
-                    with trio.move_on_after(delay):
+                    with trio.move_on_after(delay) as scope:
                         await event.wait()
                 finally:
                     self._wake = None
+                return scope.cancelled_caught
 
         else:  # asyncio, uvloop
             import asyncio
 
             loop = asyncio.get_running_loop()
 
-            async def nap(delay: float) -> None:
-                future = loop.create_future()
-                self._wake = functools.partial(_resolve, future)
-                timer = loop.call_later(delay, _resolve, future)
+            async def nap(delay: float) -> bool:
+                future: asyncio.Future[bool] = loop.create_future()
+                self._wake = functools.partial(_resolve, future, False)
+                timer = loop.call_later(delay, _resolve, future, True)
                 try:
-                    await future
+                    return await future
                 finally:
                     timer.cancel()
                     self._wake = None
@@ -829,9 +850,9 @@ class PollerBells:
         return nap
 
 
-def _resolve(future: asyncio.Future[None]) -> None:
+def _resolve(future: asyncio.Future[bool], timed_out: bool) -> None:
     if not future.done():
-        future.set_result(None)
+        future.set_result(timed_out)
 
 
 def _no_unwatch(bell: _Bell) -> None:

@@ -34,7 +34,7 @@ import sniffio
 
 from . import _capture_guard
 from ._backend import Backend
-from ._doorbell import WAKE_MODES, BellState, Fired, PollerBells, WakeMode
+from ._doorbell import WAKE_MODES, BellState, Fired, PollerBells, WakeMode, Woken
 from ._events import Mark
 from ._observe import saw_complete
 
@@ -185,6 +185,10 @@ class _Poller:
         self.running = False
         self.new_waiter = False
         self.generation = 0  # of the poller task: a new one per start
+        #: when a bell or a pass last found an event complete (perf_counter),
+        #: and the mean gap between such completions (moving average)
+        self.last_completion = -math.inf
+        self.mean_gap = math.inf
         self._task: object = None  # asyncio needs a strong reference to its task
         self.bells = PollerBells(self._rang)
 
@@ -205,8 +209,12 @@ class _Poller:
                 queue.insert(i, entry)
         entry.waiters.append(waiter)
         head = self.queues.get(key)
-        if head and head[0] is entry:  # the stream's oldest pending event: ring when it completes
-            self.bells.arm(entry, key, _policy.wake)
+        if head and head[0] is entry:  # the stream's oldest pending event: ring when it
+            # completes. Armed by the poller, once the waiters that arrive together
+            # have: trio starts tasks in any order, and a bell armed for each new
+            # head in turn would take a notifier stream for each (at most 4).
+            self.bells.chain(entry, key)
+            self.bells.wake_now()
         self.new_waiter = True
         if not self.running:
             self._start()
@@ -218,6 +226,12 @@ class _Poller:
         query. Then the poller runs (after the woken waiters, under asyncio): a
         pass takes whatever else completed meanwhile, and the next head of each
         stream that rang gets a bell."""
+        # Completions that come less than ``cap`` apart on average: the passes,
+        # at their fast cadence while they keep finding work, see the next
+        # ones about as soon as a bell would, for a query each instead of a
+        # bell each (a pipe, the selector, the notifier stream). Only while
+        # completions are sparse does a bell that rang chain the next one.
+        sparse = self._completed() >= _policy.cap
         for entry, key in fired:
             queue = self.queues.get(key)
             assert isinstance(entry, _Entry)
@@ -238,11 +252,23 @@ class _Poller:
                     break
             while queue and not queue[0].waiters:  # all its waiters left: never armed
                 queue.popleft()
-            if queue:  # a bell that won keeps its stream rung: its next head gets
-                self.bells.chain(queue[0], key)  # one after the waiters resume
+            if queue:
+                if sparse:  # a bell that won keeps its stream rung: its next head
+                    self.bells.chain(queue[0], key)  # gets one after the waiters resume
             else:
                 del self.queues[key]
-        self.bells.wake_now()
+        self.bells.wake_now(Woken.RUNG)
+
+    def _completed(self) -> float:
+        """A bell or a pass found an event complete now: update the moving
+        average of the gaps between completions (1/8 weight), and return it."""
+        now = time.perf_counter()
+        gap, self.last_completion = now - self.last_completion, now
+        if self.mean_gap == math.inf:
+            self.mean_gap = gap
+        else:
+            self.mean_gap += (gap - self.mean_gap) / 8
+        return self.mean_gap
 
     def known_pending(self, mark: Mark | None) -> bool:
         """Whether an older event of the same stream is already known not to be
@@ -284,14 +310,15 @@ class _Poller:
     async def _run(self, generation: int) -> None:
         try:
             delays = iter(_policy.delays())
+            woken = Woken.PASS
             while self.queues:
-                if await self._pass() or self.new_waiter:
+                if await self._pass(skip_armed=woken is Woken.RUNG) or self.new_waiter:
                     self.new_waiter = False
                     delays = iter(_policy.delays())
                 if not self.queues:
                     break  # end now, before the waiters just woken resume
                 policy = _policy
-                await self.bells.sleep(
+                woken = await self.bells.sleep(
                     next(delays), self.queues, policy.wake, policy.cap, policy.fallback
                 )
         finally:
@@ -314,8 +341,11 @@ class _Poller:
                     for waiter in entry.waiters:
                         waiter.set()
 
-    async def _pass(self) -> bool:
-        """Query each stream's oldest pending event; wake what completed."""
+    async def _pass(self, *, skip_armed: bool) -> bool:
+        """Query each stream's oldest pending event; wake what completed.
+        ``skip_armed`` (only bells rang since the last pass): not the events
+        with an armed bell, which ring for themselves (the passes at the
+        policy's cadence query them too: what a bell missed, a fault say)."""
         counters.passes += 1
         for hook in pass_hooks:
             hook()
@@ -325,11 +355,14 @@ class _Poller:
         relax = _capture_guard.RelaxedScope()  # restored before each await
         for qkey in list(self.queues):
             queue = self.queues.get(qkey)
+            sparse = False
             while queue:
                 entry = queue[0]
                 if not entry.waiters:  # all its waiters left
                     queue.popleft()
                     continue
+                if skip_armed and entry.bell is BellState.ARMED:
+                    break
                 counters.queries += 1
                 relax.enter(entry.backend)
                 try:
@@ -346,8 +379,11 @@ class _Poller:
                     waiter.set()
                 counters.wakes += len(entry.waiters)
                 woke = True
+                sparse = entry.state is _State.DONE and self._completed() >= _policy.cap
             if not queue:
                 self.queues.pop(qkey, None)
+            elif sparse:  # as after a ring: the stream's next head gets a bell
+                self.bells.chain(queue[0], qkey)
             if time.perf_counter() - started > budget:
                 relax.restore()
                 await anyio.lowlevel.checkpoint()

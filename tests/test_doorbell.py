@@ -75,10 +75,11 @@ async def _fds_after_timed_out_waits(events: list[cs.Event], baseline: int) -> l
 
 
 def _sync_lanes() -> None:
-    """Every host function enqueued on the notifier streams has run."""
-    for pool in list(_doorbell._doorbell.lanes.values()):
-        for lane in list(pool):
-            lane.backend.synchronize_stream(lane.stream)
+    """Every host function enqueued on the notifier streams (retired ones too)
+    has run, or been skipped."""
+    doorbell = _doorbell._doorbell
+    for lane in [*(lane for pool in doorbell.lanes.values() for lane in pool), *doorbell.retiring]:
+        lane.backend.synchronize_stream(lane.stream)
 
 
 async def _open_fds() -> int | None:
@@ -216,6 +217,66 @@ async def test_while_every_stream_has_a_bell_the_poller_sleeps_its_fallback() ->
     assert passes["doorbell"] < passes["poll"] / 4, passes
 
 
+async def test_the_pass_after_a_ring_skips_streams_whose_bell_is_armed() -> None:
+    """A ring asks for a pass (it takes what else completed), but a stream
+    whose oldest event has a bell rings for itself: that pass does not query
+    it. The pass that is due by the policy's cadence does (the control: the
+    counter sees those queries)."""
+    cs.use_backend("sim")
+    cs.configure(poll=_sleepy("doorbell"))
+    fast, slow = cs.Stream(), cs.Stream()
+    sim.launch(slow, lambda: None, duration=SLOW * 1.5)
+    slow_event = slow.record()
+    sim.launch(fast, lambda: None, duration=0.02)
+    fast_event = fast.record()
+    queries: dict[str, int] = {}
+    rang = anyio.Event()
+
+    async def wait_fast() -> None:
+        await fast_event.wait()
+        rang.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(slow_event.wait)
+        tg.start_soon(wait_fast)
+        await anyio.sleep(0.005)  # both waiting, both bells armed
+        start = cs.stats()["poll_queries"]
+        await rang.wait()
+        await anyio.sleep(0.01)  # the pass after the ring has run
+        queries["after the ring"] = cs.stats()["poll_queries"] - start
+        await anyio.sleep(SLOW)  # a pass due by the cadence
+        queries["after a timed pass"] = cs.stats()["poll_queries"] - start
+    assert queries["after the ring"] == 0, queries
+    assert queries["after a timed pass"] > 0, queries
+
+
+@pytest.mark.parametrize("cap", [SLOW, cs.PollPolicy().cap])
+async def test_only_sparse_completions_chain_bells(cap: float) -> None:
+    """Completions that come less than ``cap`` apart on average are seen by
+    the passes about as soon as a bell would see them, for a query each: a
+    bell that rings among them does not arm the next one. The same kernels,
+    5 ms apart, are sparse for the default 1 ms ``cap``: there each bell
+    chains the next (the control)."""
+    cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(cap=cap, wake="doorbell"))
+    n = 40
+    s = cs.Stream()
+    sim.launch(s, lambda: None, duration=0.02)  # every waiter in place first
+    events = []
+    for _ in range(n):
+        sim.launch(s, lambda: None, duration=0.005)
+        events.append(s.record())
+    before = _settled()
+    async with anyio.create_task_group() as tg:
+        for event in events:
+            tg.start_soon(event.wait)
+    armed = _settled()["doorbells_armed"] - before["doorbells_armed"]
+    if cap == SLOW:
+        assert armed < n / 4, armed
+    else:
+        assert armed > n * 3 / 4, armed
+
+
 async def test_cancelled_and_timed_out_waiters_leak_no_bell(ops: DeviceOps) -> None:
     if ops.name != "sim":
         pytest.skip("the sim's counters; the GPU tier runs the same code")
@@ -281,6 +342,7 @@ async def test_a_faulted_kernel_is_found_by_the_poller_and_its_bell_retired() ->
     # faulted: the skipped host functions' write ends stay open, and counted
     assert after["doorbell_fds"] > before["doorbell_fds"]
     sim.reset()
+    _sync_lanes()  # their skipped host functions are behind them
     armed = after["doorbells_armed"] - before["doorbells_armed"]
     retired = after["doorbells_retired"] - before["doorbells_retired"]
     fired = after["doorbells_fired"] - before["doorbells_fired"]
@@ -315,7 +377,7 @@ def test_a_global_capture_in_another_thread_survives_the_doorbell() -> None:
     capture forbids. (The poller's own queries are made capture-safe by
     exchanging the polling thread's mode to relaxed, as here.)"""
     backend = cs.use_backend("sim")
-    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    cs.configure(poll=_sleepy("doorbell"))  # no pass wakes a waiter before its bell
     capturing, waited = threading.Event(), threading.Event()
     outcome: list[object] = []
 
@@ -695,6 +757,34 @@ async def test_one_stream_waited_out_of_order_does_not_take_every_lane() -> None
         gate.set()
     assert serving == [_doorbell.MAX_LANES_PER_STREAM]
     assert woke < SLOW / 2
+    for event in events:
+        event.close()
+
+
+async def test_waiters_that_arrive_together_out_of_order_arm_one_bell() -> None:
+    """Tasks started together register in any order (trio's is random; here
+    reversed under asyncio): only the stream's oldest pending event gets a
+    bell, not each waiter that was its head for a moment (the control is the
+    test above: waiters 2 ms apart, each the head for a while, take
+    MAX_LANES_PER_STREAM notifier streams, and the rest get none)."""
+    cs.use_backend("sim")
+    cs.configure(poll=_sleepy("doorbell"))
+    slow, gate = cs.Stream(), threading.Event()
+    sim.launch(slow, lambda: gate.wait(20))
+    events = [slow.record() for _ in range(20)]
+    key = events[0]._mark.key
+    before = cs.stats()
+    try:
+        async with anyio.create_task_group() as tg:
+            for event in reversed(events):
+                tg.start_soon(event.wait)
+            await anyio.sleep(0.01)
+            armed = cs.stats()["doorbells_armed"] - before["doorbells_armed"]
+            serving = [len(ls) for (_, k), ls in _doorbell._doorbell.serving.items() if k == key]
+            gate.set()
+    finally:
+        gate.set()
+    assert (armed, serving) == (1, [1])
     for event in events:
         event.close()
 
