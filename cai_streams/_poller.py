@@ -62,7 +62,10 @@ class PollPolicy:
     each stream, and the loop's own selector wakes it at once; while
     every pending stream has one armed, the poller sleeps ``fallback`` seconds
     between passes (the passes that still find errors and anything a bell
-    missed). ``"poll"`` never arms one. ``"auto"`` (the default) rings bells
+    missed). A bell that rang arms the same stream's next one while
+    completions come at least ``cap`` apart on average; when they come
+    faster, the passes see them as soon, for a query each instead of a bell
+    each, and bells wait for the poller to back off to ``cap`` again. ``"poll"`` never arms one. ``"auto"`` (the default) rings bells
     where that is best: on the simulator (measured under asyncio, uvloop and
     trio) and on cuda (by design, unverified on a GPU so far). A capturing
     stream never gets a bell; the poller's own cadence covers it.
