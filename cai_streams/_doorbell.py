@@ -832,8 +832,6 @@ class PollerBells:
                 return scope.cancelled_caught
 
         else:  # asyncio, uvloop
-            import asyncio
-
             loop = asyncio.get_running_loop()
 
             async def nap(delay: float) -> bool:

@@ -514,23 +514,9 @@ def _parse_common(obj: object, cai: dict[str, Any]) -> ArrayView | None:
     shape, strides, dtype, size, nbytes, ptr_min, ptr_max = layout
     if not ptr_min <= ptr <= ptr_max:
         return None
-    # _make, inlined: a call with twelve arguments costs as much as the stores
-    view = _new(_Filling)
-    view.ptr = ptr
-    view.shape = shape
-    view.strides = strides
-    view.dtype = dtype
-    view.typestr = typestr
-    view.readonly = readonly
-    view.size = size
-    view.nbytes = nbytes
-    view.version = version
-    view.mask = None
-    view.stream = stream
-    view.owner = obj
-    view._cai = None
-    view.__class__ = ArrayView  # type: ignore[assignment]
-    return view  # type: ignore[return-value]
+    return _make(
+        ptr, shape, strides, dtype, typestr, readonly, size, nbytes, version, None, stream, obj
+    )
 
 
 def _parse(obj: object, masking: tuple[int, ...]) -> ArrayView:
