@@ -63,6 +63,7 @@ import stat
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import Final, Literal, Protocol
@@ -646,9 +647,9 @@ class PollerBells:
 
                 self._unwatch = _trio_unwatch
             else:  # asyncio, uvloop
-                import asyncio
-
-                loop = asyncio.get_running_loop()
+                # Only a weak reference: anyio keeps the poller in a RunVar keyed
+                # weakly by the loop, which a strong one would keep alive forever.
+                loop_ref = weakref.ref(asyncio.get_running_loop())
 
                 def readable(bell: _Bell) -> None:
                     # Nothing is ever written to the pipe, so readable means
@@ -659,14 +660,16 @@ class PollerBells:
                         try:
                             self._poller_rang([(bell.entry, bell.key)])
                         finally:
-                            self._stop_watching(bell, _Phase.FIRED, later=loop.call_soon)
+                            later = asyncio.get_running_loop().call_soon  # in its loop
+                            self._stop_watching(bell, _Phase.FIRED, later=later)
 
                 def watch(bell: _Bell) -> None:
-                    bell.loop_closed = loop.is_closed
-                    loop.add_reader(bell.rfd, readable, bell)
+                    bell.loop_closed = functools.partial(_gone_or_closed, loop_ref)
+                    asyncio.get_running_loop().add_reader(bell.rfd, readable, bell)
 
                 def unwatch(bell: _Bell) -> None:
-                    if not loop.is_closed():  # a closed loop watches nothing
+                    loop = loop_ref()
+                    if loop is not None and not loop.is_closed():  # a closed loop watches nothing
                         loop.remove_reader(bell.rfd)
 
                 self._unwatch = unwatch
@@ -785,7 +788,7 @@ class PollerBells:
         event gets a bell and the poller sleeps ``fallback`` instead. The next
         head of a stream whose bell rang gets one first, whatever ``delay``."""
         chained, self._chained = self._chained, []
-        for entry, key in chained:
+        for entry, key in dict.fromkeys(chained):  # once each: a refused one is retried once
             queue = queues.get(key)
             if queue and queue[0] is entry:  # still its stream's oldest pending event
                 if entry.bell is BellState.REFUSED:  # no lane then (waiters came out of
@@ -832,9 +835,9 @@ class PollerBells:
                 return scope.cancelled_caught
 
         else:  # asyncio, uvloop
-            loop = asyncio.get_running_loop()
 
             async def nap(delay: float) -> bool:
+                loop = asyncio.get_running_loop()  # not kept: see _bind
                 future: asyncio.Future[bool] = loop.create_future()
                 self._wake = functools.partial(_resolve, future, False)
                 timer = loop.call_later(delay, _resolve, future, True)
@@ -846,6 +849,11 @@ class PollerBells:
 
         self._nap = nap
         return nap
+
+
+def _gone_or_closed(loop_ref: weakref.ref[asyncio.AbstractEventLoop]) -> bool:
+    loop = loop_ref()
+    return loop is None or loop.is_closed()
 
 
 def _resolve(future: asyncio.Future[bool], timed_out: bool) -> None:

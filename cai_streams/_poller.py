@@ -34,7 +34,7 @@ import sniffio
 
 from . import _capture_guard
 from ._backend import Backend
-from ._doorbell import WAKE_MODES, BellState, Fired, PollerBells, WakeMode, Woken
+from ._doorbell import WAKE_MODES, BellState, Fired, PollerBells, WakeMode, Woken, wants_doorbell
 from ._events import Mark
 from ._observe import saw_complete
 
@@ -199,6 +199,7 @@ class _Poller:
     def add(self, backend: Backend, event: int, mark: Mark | None, waiter: anyio.Event) -> _Entry:
         key: Hashable = mark.key if mark is not None else ("event", backend, event)
         entry = self.entries.get((backend, event))
+        new = entry is None
         if entry is None:
             seq = mark.seq if mark is not None else -1
             entry = _Entry(backend, event, seq)
@@ -213,10 +214,11 @@ class _Poller:
                 queue.insert(i, entry)
         entry.waiters.append(waiter)
         head = self.queues.get(key)
-        if head and head[0] is entry:  # the stream's oldest pending event: ring when it
-            # completes. Armed by the poller, once the waiters that arrive together
-            # have: trio starts tasks in any order, and a bell armed for each new
-            # head in turn would take a notifier stream for each (at most 4).
+        if new and head and head[0] is entry and wants_doorbell(_policy.wake, backend):
+            # The stream's oldest pending event: ring when it completes. Armed
+            # by the poller, once the waiters that arrive together have: trio
+            # starts tasks in any order, and a bell armed for each new head in
+            # turn would take a notifier stream for each (at most 4).
             self.bells.chain(entry, key)
             self.bells.wake_now()
         self.new_waiter = True
@@ -235,7 +237,7 @@ class _Poller:
         # ones about as soon as a bell would, for a query each instead of a
         # bell each (a pipe, the selector, the notifier stream). Only while
         # completions are sparse does a bell that rang chain the next one.
-        sparse = self._completed() >= _policy.cap
+        sparse: bool | None = None  # found on the first completion a pass did not take
         for entry, key in fired:
             queue = self.queues.get(key)
             assert isinstance(entry, _Entry)
@@ -243,6 +245,8 @@ class _Poller:
                 continue  # a pass took it already, or its poller ended
             if queue[0] is not entry and entry not in queue:
                 continue  # all its waiters left, and a pass dropped it
+            if sparse is None:
+                sparse = self._completed() >= _policy.cap
             while queue:
                 head = queue.popleft()
                 if head.waiters and head.state is _State.WAITING:
@@ -265,9 +269,12 @@ class _Poller:
 
     def _completed(self) -> float:
         """A bell or a pass found an event complete now: update the moving
-        average of the gaps between completions (1/8 weight), and return it."""
+        average of the gaps between completions (1/8 weight), and return it.
+        A gap counts as at most 2 ``cap``: after an idle second, six dense
+        completions make the average dense again, not fifty."""
         now = time.perf_counter()
-        gap, self.last_completion = now - self.last_completion, now
+        gap = min(now - self.last_completion, 2 * _policy.cap)
+        self.last_completion = now
         if self.mean_gap == math.inf:
             self.mean_gap = gap
         else:
@@ -315,8 +322,16 @@ class _Poller:
         try:
             delays = iter(_policy.delays())
             woken = Woken.PASS
+            full_pass_at = 0.0  # when the last pass over every head began
             while self.queues:
-                if await self._pass(skip_armed=woken is Woken.RUNG) or self.new_waiter:
+                # After a ring, heads with an armed bell are skipped, unless the
+                # last full pass is ``fallback`` old: a bell that never rings (its
+                # device faulted) must not hide its event while others keep ringing.
+                now = time.perf_counter()
+                skip_armed = woken is Woken.RUNG and now - full_pass_at < _policy.fallback
+                if not skip_armed:
+                    full_pass_at = now
+                if await self._pass(skip_armed=skip_armed) or self.new_waiter:
                     self.new_waiter = False
                     delays = iter(_policy.delays())
                 if not self.queues:
