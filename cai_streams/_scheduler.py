@@ -193,8 +193,10 @@ def stats() -> dict[str, int]:
     every event loop, ``poll_passes``, ``poll_queries`` (event queries made)
     and ``poll_wakes`` (waiters woken); for the stream-ordered holds of
     every device (``cs.hold``, views handed to a stream), ``holds`` (in
-    flight), ``hold_bytes`` (bytes their owners say they have), ``holds_made``
-    and ``holds_released``; for the doorbell (process-wide),
+    flight), ``hold_bytes`` (bytes their owners say they have), ``holds_made``,
+    ``holds_released`` and ``holds_merged`` (released views whose hold was
+    merged into a newer view's of the same owner on the same stream, so
+    recorded no event of its own); for the doorbell (process-wide),
     ``doorbells_armed``, ``doorbells_fired``, ``doorbells_retired`` (no
     longer watched before they fired: their poller ended first, or their
     device faulted), ``doorbell_lanes`` (notifier streams) and
@@ -230,4 +232,5 @@ def stats() -> dict[str, int]:
         "hold_bytes": holds.nbytes,
         "holds_made": holds.made,
         "holds_released": holds.released,
+        "holds_merged": holds.merged,
     }
