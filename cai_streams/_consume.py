@@ -62,7 +62,6 @@ from ._access import Access
 from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_async, wait_block_sync
 from ._config import settings
-from ._device import device_of
 from ._dlpack_import import (
     Protocol,
     Unread,
@@ -371,7 +370,10 @@ def _handoff(
         return _dlpack_handoff(obj, s, synced, backend)
     view = parse(obj) if cai is Unread.UNREAD else parse_read(obj, cai)  # read once
     mode = plan(tracked=False, producer_stream=view.stream, stream=s, synced=synced)
-    return _ROWS[mode](scheduler_for(backend, device_of(backend, view)), view, s)
+    # An untracked row uses its scheduler for the backend's join alone (events
+    # come from the producer's stream's device): the array's device, a driver
+    # call on a GPU (cudaPointerGetAttributes), is not asked.
+    return _ROWS[mode](scheduler_for(backend), view, s)
 
 
 def _dlpack_handoff(obj: object, s: Stream | None, synced: bool, backend: Backend) -> _Handoff:

@@ -19,7 +19,7 @@ from ._access import Counters
 from ._backend import Backend, current_backend
 from ._doorbell import stats as doorbell_stats
 from ._errors import CudaError
-from ._events import of_backend, pool_for, pools_of, record, registered
+from ._events import pool_for, pools_of, record, registered
 from ._hold_table import table as holds
 from ._hold_table import tick as release_holds
 from ._identity import StreamId, stream_id_now
@@ -155,6 +155,8 @@ class Scheduler:
 
 _schedulers: dict[tuple[Backend, int], Scheduler] = {}
 _schedulers_lock = threading.Lock()
+#: the same schedulers per backend, in the order made: every lookup walks them
+_of_backend: dict[Backend, tuple[Scheduler, ...]] = {}
 
 
 def scheduler_for(backend: Backend, device: int | None = None) -> Scheduler:
@@ -162,18 +164,24 @@ def scheduler_for(backend: Backend, device: int | None = None) -> Scheduler:
     if device is None:
         device = backend.current_device()
     on = device
-    return registered(_schedulers, _schedulers_lock, (backend, on), lambda: Scheduler(backend, on))
+
+    def make() -> Scheduler:  # under the lock
+        made = Scheduler(backend, on)
+        _of_backend[backend] = (*_of_backend.get(backend, ()), made)
+        return made
+
+    return registered(_schedulers, _schedulers_lock, (backend, on), make)
 
 
 def schedulers_of(backend: Backend) -> list[Scheduler]:
     """Every scheduler made so far for ``backend`` (one per device used)."""
-    return of_backend(_schedulers, backend)
+    return list(_of_backend.get(backend, ()))
 
 
 def find_work(backend: Backend, obj: object) -> PendingWork | None:
     """The pending work of ``obj`` on whichever device it is tracked. Does not block."""
     release_holds()  # every handoff, export and track() passes here: a bounded step
-    for sched in schedulers_of(backend):
+    for sched in _of_backend.get(backend, ()):
         work = sched.work_of(obj)
         if work is not None:
             return work
