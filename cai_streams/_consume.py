@@ -281,9 +281,11 @@ class _UntrackedEnqueue(_Handoff):
     def begin(self, me: Owner) -> Blocked | None:
         s, producer = self.stream, self.producer
         assert s is not None
-        key = stream_id_now(self.sched.backend, producer)
-        if key != s._key():
-            self.sched.join(s.handle, key, keepalive=self.view, what="consume(stream=s)")
+        key, mine = stream_id_now(self.sched.backend, producer), s._key()
+        if key != mine:
+            self.sched.join(
+                s.handle, key, keepalive=self.view, what="consume(stream=s)", waiter_id=mine
+            )
         self.view = self.view.with_stream(s.handle)
         self._declare_stream_read(s)
         return None

@@ -55,13 +55,23 @@ class Scheduler:
                 stream = self._export_stream
         return stream
 
-    def join(self, waiter: int, producer: StreamId, *, keepalive: object, what: str) -> None:
+    def join(
+        self,
+        waiter: int,
+        producer: StreamId,
+        *,
+        keepalive: object,
+        what: str,
+        waiter_id: StreamId | None = None,
+    ) -> None:
         """Stream ``waiter`` waits for all work enqueued so far on ``producer``
         (one pooled event of the producer's device, recorded now; ``keepalive``
         lives until it completes). A join a graph capture forbids raises
         CaptureError first (``what`` is the call, for its message); a capturing
-        waiter of an idle producer needs none."""
-        waiter_id = stream_id_now(self.backend, waiter)
+        waiter of an idle producer needs none. ``waiter_id``: the waiter's
+        identity, when the caller has it already."""
+        if waiter_id is None:
+            waiter_id = stream_id_now(self.backend, waiter)
         if not _capture_guard.check_join(self.backend, waiter_id, producer, what):
             return
         pool = pool_for(self.backend, producer.device)  # recorded on the producer's device
