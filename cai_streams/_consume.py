@@ -136,6 +136,9 @@ class _Handoff:
     lets go whatever happened, ``back_edge`` ends a ``consuming()`` block."""
 
     mode: ClassVar[Mode]
+    #: the row hands the view to the consumer's stream: its owner is held until
+    #: that stream passes the work enqueued while the view is in use (``_hold``)
+    to_stream: ClassVar[bool] = False
 
     def __init__(self, sched: Scheduler, view: ArrayView, stream: Stream | None) -> None:
         self.sched = sched
@@ -196,7 +199,8 @@ class _TrackedHost(_Tracked):
         except BaseException:
             self.finish(complete=False)
             raise
-        self.view = self.view.with_stream(None)
+        if self.view.stream is not None:  # (a tracked array's view names none: keep it)
+            self.view = self.view.with_stream(None)
         return None
 
     def finish(self, *, complete: bool) -> None:
@@ -211,6 +215,7 @@ class _TrackedHost(_Tracked):
 
 class _TrackedEnqueue(_Tracked):
     mode = Mode.TRACKED_ENQUEUE
+    to_stream = True
 
     def begin(self, me: Owner) -> Blocked | None:
         assert self.stream is not None
@@ -272,6 +277,7 @@ class _UntrackedHost(_Handoff):
 
 class _UntrackedEnqueue(_Handoff):
     mode = Mode.UNTRACKED_ENQUEUE
+    to_stream = True
 
     def __init__(self, sched: Scheduler, view: ArrayView, stream: Stream | None) -> None:
         super().__init__(sched, view, stream)
@@ -303,6 +309,7 @@ class _UntrackedOptOut(_Handoff):
 
 class _Ready(_Handoff):
     mode = Mode.READY
+    to_stream = True
 
     def begin(self, me: Owner) -> Blocked | None:
         if self.stream is not None:
@@ -325,6 +332,7 @@ class _DLPackEnqueue(_Handoff):
     """``__dlpack__`` ordered ``s`` already."""
 
     mode = Mode.DLPACK_ENQUEUE
+    to_stream = True
 
     def begin(self, me: Owner) -> Blocked | None:
         assert self.stream is not None
@@ -334,6 +342,7 @@ class _DLPackEnqueue(_Handoff):
 
 class _DLPackOptOut(_Ready):
     mode = Mode.DLPACK_OPT_OUT
+    to_stream = False  # (a _Ready, but not a row that hands its view to the stream)
 
 
 _ROWS: dict[Mode, type[_Handoff]] = {
@@ -396,15 +405,8 @@ def _handoffs(
     return [_handoff(obj, stream, sync, backend, protocol) for obj in objs]
 
 
-#: rows that hand the view to the consumer's stream: its owner is held until
-#: that stream passes the work enqueued while the view is in use (``_hold``)
-_TO_STREAM = frozenset(
-    (Mode.TRACKED_ENQUEUE, Mode.UNTRACKED_ENQUEUE, Mode.DLPACK_ENQUEUE, Mode.READY)
-)
-
-
 def _keep_owner(h: _Handoff) -> ViewLease | None:
-    if h.stream is None or h.mode not in _TO_STREAM:
+    if h.stream is None or not h.to_stream:
         return None
     return hold_view_owner(h.view, h.stream)
 
@@ -562,5 +564,5 @@ async def consuming(
         yield handoff.view
     finally:
         handoff.back_edge()
-        if handoff.stream is not None and handoff.mode in _TO_STREAM:
+        if handoff.stream is not None and handoff.to_stream:
             view_done(handoff.view, handoff.stream, lease)

@@ -152,7 +152,7 @@ def _view_released(lease: weakref.ref[ArrayView]) -> None:
 #: leases in use, by (stream, id of owner): a weakref callback fires only
 #: while its weakref lives; two in one bucket hold the same owner (so its id
 #: names one object) on the same stream, and the later record covers both
-_in_use: dict[tuple[StreamId, int], set[ViewLease]] = {}
+_in_use: dict[tuple[StreamId, int], dict[int, ViewLease]] = {}  # (by id: no __hash__ call)
 _in_use_lock = threading.Lock()  # bookkeeping only
 
 
@@ -240,9 +240,9 @@ class ViewLease(weakref.ref[ArrayView]):
         self._end(LeaseState.MERGED)
         return True
 
-    def _leave(self, bucket: set[ViewLease]) -> None:
+    def _leave(self, bucket: dict[int, ViewLease]) -> None:
         """Out of ``_in_use`` (its lock held)."""
-        bucket.discard(self)
+        bucket.pop(id(self), None)
         if not bucket:
             del _in_use[self._bucket]
 
@@ -255,7 +255,7 @@ class ViewLease(weakref.ref[ArrayView]):
             lifetime.forget(self)
         with _in_use_lock:
             bucket = _in_use.get(self._bucket)
-            if bucket is not None and self in bucket:
+            if bucket is not None and id(self) in bucket:
                 self._leave(bucket)
 
     def settle(self) -> bool:
@@ -298,7 +298,7 @@ def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
         return None
     lease = ViewLease(view, stream)
     with _in_use_lock:  # first: closing the stream may settle it at once
-        _in_use.setdefault(lease._bucket, set()).add(lease)
+        _in_use.setdefault(lease._bucket, {})[id(lease)] = lease
     lifetime = lease.lifetime
     if lifetime is not None and not lifetime.listen(lease):
         lease._end(LeaseState.DROPPED)  # the stream is closing: nothing more will run on it
