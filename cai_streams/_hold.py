@@ -24,7 +24,7 @@ same stream that is still unrecorded (``LeaseState.MERGED``): that lease keeps
 the very same owner and records later on the same stream, so stream order
 covers the older view's work with one record. The queue settles a view only at
 the second library call after its release (``_hold_table``), which lets the
-common "consume, drop, consume again" loop record nothing per handoff.
+common "consume, drop, consume again" loop record no hold per handoff.
 
 A stream that is capturing a graph cannot take a record whose event is then
 queried: ``hold`` raises :class:`~cai_streams.CaptureError`, and a lease waits

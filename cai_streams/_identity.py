@@ -239,8 +239,8 @@ def new_lifetime(backend: Backend, device: int, handle: int) -> Lifetime:
 
 def is_open(key: StreamId) -> bool:
     """Whether the stream this library made that ``key`` names (its
-    generation is not 0) is still open: closed, its handle names another
-    stream, or none. Does not block."""
+    generation is not 0) is still open: False once it was closed, whatever
+    stream its handle names now. Does not block."""
     return key.generation in _open_generations
 
 
