@@ -460,6 +460,42 @@ def test_views_of_one_owner_on_two_streams_or_two_owners_on_one_stream_are_not_m
     assert released_soon(ref)
 
 
+def test_views_of_one_owner_released_from_several_threads_at_once_keep_it_until_the_stream_passes(
+    ops: DeviceOps,
+) -> None:
+    """Four threads hand one owner to one stream and drop the views while
+    each other's settle: every view is either recorded or merged, at least one
+    records, and the owner outlives the latch (were two leases each to merge
+    into the other, none would record and the owner would go at once)."""
+    s = cs.Stream()
+    latch = ops.latch(s)
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    start = cs.stats()
+    rounds, threads = 50, 4
+    go = threading.Barrier(threads, timeout=WAIT)
+
+    def handoffs(owner: Box) -> None:
+        go.wait()
+        for _ in range(rounds):
+            view = cs.consume_blocking(owner, stream=s)
+            del view
+
+    workers = [threading.Thread(target=handoffs, args=(box,)) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(WAIT)
+    del box
+    end = cs.stats()
+    made = end["holds_made"] - start["holds_made"]
+    merged = end["holds_merged"] - start["holds_merged"]
+    assert made + merged == rounds * threads and made >= 1, (made, merged)
+    assert ref() is not None
+    latch.release()
+    assert released_soon(ref)
+
+
 @pytest.mark.anyio
 async def test_consuming_exit_records_the_hold_on_a_bare_handle_too(
     ops: DeviceOps, backend: cs.Backend
