@@ -237,7 +237,7 @@ class ViewLease(weakref.ref[ArrayView]):
                 return False
             self._leave(bucket)
             table.merged += 1  # under the lock: the one place that counts it
-        self._end(LeaseState.MERGED)
+        self._end(LeaseState.MERGED, indexed=False)
         return True
 
     def _leave(self, bucket: dict[int, ViewLease]) -> None:
@@ -246,17 +246,19 @@ class ViewLease(weakref.ref[ArrayView]):
         if not bucket:
             del _in_use[self._bucket]
 
-    def _end(self, state: LeaseState) -> None:
+    def _end(self, state: LeaseState, *, indexed: bool = True) -> None:
+        """Let go of everything (``indexed``: it may still be in ``_in_use``)."""
         self.state = state
         self.owner = None
         self.stream = self.keepalive = None
         lifetime = self.lifetime
         if lifetime is not None:
             lifetime.forget(self)
-        with _in_use_lock:
-            bucket = _in_use.get(self._bucket)
-            if bucket is not None and id(self) in bucket:
-                self._leave(bucket)
+        if indexed:
+            with _in_use_lock:
+                bucket = _in_use.get(self._bucket)
+                if bucket is not None and id(self) in bucket:
+                    self._leave(bucket)
 
     def settle(self) -> bool:
         """The view was collected: record the hold now, from this thread."""
