@@ -296,9 +296,8 @@ class _Gen:
         if kind == "dropped_owner":
             how = rng.choice(["hold", "consume", "consuming", "consume_twice"])
             s = self.read_stream()
-            if how.startswith("consume_") or how == "consume":
-                if s[0] == "int":
-                    how = "hold"  # a bare handle's view keeps its owner only while it lives
+            if how in ("consume", "consume_twice") and s[0] == "int":
+                how = "hold"  # a bare handle's view keeps its owner only while it lives
             thread = "loop" if how == "consuming" else self.any_thread()
             return Step(
                 kind, thread, {"how": how, "s": s, "value": self.fresh(), "d": self.duration()}
