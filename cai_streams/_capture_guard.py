@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, CaptureMode
 from ._errors import CaptureError, CudaError
-from ._identity import StreamId, lifetime_of, thread_serial
+from ._identity import StreamId, is_open, thread_serial
 
 if TYPE_CHECKING:
     from ._events import Mark
@@ -120,10 +120,8 @@ def capturing(backend: Backend, key: StreamId) -> bool | None:
     would invalidate that capture."""
     if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
         return None
-    if key.generation:  # a stream this library made: is it still that stream?
-        lifetime = lifetime_of(backend, key.handle)
-        if lifetime is None or lifetime.generation != key.generation:
-            return False  # closed (never ask the driver about a destroyed handle)
+    if key.generation and not is_open(key):  # a stream this library made, closed since
+        return False  # (never ask the driver about a destroyed handle)
     try:
         return backend.capture_status(key.handle) != "none"
     except CudaError as exc:

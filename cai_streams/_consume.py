@@ -62,7 +62,6 @@ from ._access import Access
 from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_async, wait_block_sync
 from ._config import settings
-from ._device import device_of
 from ._dlpack_import import (
     Protocol,
     Unread,
@@ -137,6 +136,9 @@ class _Handoff:
     lets go whatever happened, ``back_edge`` ends a ``consuming()`` block."""
 
     mode: ClassVar[Mode]
+    #: the row hands the view to the consumer's stream: its owner is held until
+    #: that stream passes the work enqueued while the view is in use (``_hold``)
+    to_stream: ClassVar[bool] = False
 
     def __init__(self, sched: Scheduler, view: ArrayView, stream: Stream | None) -> None:
         self.sched = sched
@@ -197,7 +199,8 @@ class _TrackedHost(_Tracked):
         except BaseException:
             self.finish(complete=False)
             raise
-        self.view = self.view.with_stream(None)
+        if self.view.stream is not None:  # (a tracked array's view names none: keep it)
+            self.view = self.view.with_stream(None)
         return None
 
     def finish(self, *, complete: bool) -> None:
@@ -212,6 +215,7 @@ class _TrackedHost(_Tracked):
 
 class _TrackedEnqueue(_Tracked):
     mode = Mode.TRACKED_ENQUEUE
+    to_stream = True
 
     def begin(self, me: Owner) -> Blocked | None:
         assert self.stream is not None
@@ -273,6 +277,7 @@ class _UntrackedHost(_Handoff):
 
 class _UntrackedEnqueue(_Handoff):
     mode = Mode.UNTRACKED_ENQUEUE
+    to_stream = True
 
     def __init__(self, sched: Scheduler, view: ArrayView, stream: Stream | None) -> None:
         super().__init__(sched, view, stream)
@@ -282,9 +287,11 @@ class _UntrackedEnqueue(_Handoff):
     def begin(self, me: Owner) -> Blocked | None:
         s, producer = self.stream, self.producer
         assert s is not None
-        key = stream_id_now(self.sched.backend, producer)
-        if key != s._key():
-            self.sched.join(s.handle, key, keepalive=self.view, what="consume(stream=s)")
+        key, mine = stream_id_now(self.sched.backend, producer), s._key()
+        if key != mine:
+            self.sched.join(
+                s.handle, key, keepalive=self.view, what="consume(stream=s)", waiter_id=mine
+            )
         self.view = self.view.with_stream(s.handle)
         self._declare_stream_read(s)
         return None
@@ -302,6 +309,7 @@ class _UntrackedOptOut(_Handoff):
 
 class _Ready(_Handoff):
     mode = Mode.READY
+    to_stream = True
 
     def begin(self, me: Owner) -> Blocked | None:
         if self.stream is not None:
@@ -324,6 +332,7 @@ class _DLPackEnqueue(_Handoff):
     """``__dlpack__`` ordered ``s`` already."""
 
     mode = Mode.DLPACK_ENQUEUE
+    to_stream = True
 
     def begin(self, me: Owner) -> Blocked | None:
         assert self.stream is not None
@@ -333,6 +342,7 @@ class _DLPackEnqueue(_Handoff):
 
 class _DLPackOptOut(_Ready):
     mode = Mode.DLPACK_OPT_OUT
+    to_stream = False  # (a _Ready, but not a row that hands its view to the stream)
 
 
 _ROWS: dict[Mode, type[_Handoff]] = {
@@ -371,7 +381,10 @@ def _handoff(
         return _dlpack_handoff(obj, s, synced, backend)
     view = parse(obj) if cai is Unread.UNREAD else parse_read(obj, cai)  # read once
     mode = plan(tracked=False, producer_stream=view.stream, stream=s, synced=synced)
-    return _ROWS[mode](scheduler_for(backend, device_of(backend, view)), view, s)
+    # An untracked row uses its scheduler for the backend's join alone (events
+    # come from the producer's stream's device): the array's device, a driver
+    # call on a GPU (cudaPointerGetAttributes), is not asked.
+    return _ROWS[mode](scheduler_for(backend), view, s)
 
 
 def _dlpack_handoff(obj: object, s: Stream | None, synced: bool, backend: Backend) -> _Handoff:
@@ -392,15 +405,8 @@ def _handoffs(
     return [_handoff(obj, stream, sync, backend, protocol) for obj in objs]
 
 
-#: rows that hand the view to the consumer's stream: its owner is held until
-#: that stream passes the work enqueued while the view is in use (``_hold``)
-_TO_STREAM = frozenset(
-    (Mode.TRACKED_ENQUEUE, Mode.UNTRACKED_ENQUEUE, Mode.DLPACK_ENQUEUE, Mode.READY)
-)
-
-
 def _keep_owner(h: _Handoff) -> ViewLease | None:
-    if h.stream is None or h.mode not in _TO_STREAM:
+    if h.stream is None or not h.to_stream:
         return None
     return hold_view_owner(h.view, h.stream)
 
@@ -558,5 +564,5 @@ async def consuming(
         yield handoff.view
     finally:
         handoff.back_edge()
-        if handoff.stream is not None and handoff.mode in _TO_STREAM:
+        if handoff.stream is not None and handoff.to_stream:
             view_done(handoff.view, handoff.stream, lease)

@@ -19,6 +19,13 @@ covers everything enqueued while the view was in use. The record is made:
   or reused by then: no lease is made, and the owner lives as long as the view;
 * when the consumer's stream (one the library made) closes with the view alive.
 
+A released view's hold is merged into a newer lease of the same owner on the
+same stream that is still unrecorded (``LeaseState.MERGED``): that lease keeps
+the very same owner and records later on the same stream, so stream order
+covers the older view's work with one record. The queue settles a view only at
+the second library call after its release (``_hold_table``), which lets the
+common "consume, drop, consume again" loop record no hold per handoff.
+
 A stream that is capturing a graph cannot take a record whose event is then
 queried: ``hold`` raises :class:`~cai_streams.CaptureError`, and a lease waits
 until the capture has ended.
@@ -132,6 +139,9 @@ class LeaseState(enum.Enum):
     #: nothing left to record (the stream closed during a capture, or the
     #: device faulted): the lease let go
     DROPPED = "dropped"
+    #: another lease of the same owner on the same stream was still unrecorded:
+    #: its later record covers this one's work in stream order (one record for both)
+    MERGED = "merged"
 
 
 def _view_released(lease: weakref.ref[ArrayView]) -> None:
@@ -139,15 +149,28 @@ def _view_released(lease: weakref.ref[ArrayView]) -> None:
     table.released_views.append(lease)  # type: ignore[arg-type]
 
 
-#: leases in use (a weakref callback fires only while its weakref lives)
-_live: set[ViewLease] = set()
+#: leases in use, by (stream, id of owner): a weakref callback fires only
+#: while its weakref lives; two in one bucket hold the same owner (so its id
+#: names one object) on the same stream, and the later record covers both
+_in_use: dict[tuple[StreamId, int], dict[int, ViewLease]] = {}  # (by id: no __hash__ call)
+_in_use_lock = threading.Lock()  # bookkeeping only
 
 
 class ViewLease(weakref.ref[ArrayView]):
     """A view handed to a stream: its owner is held until the stream passes
     the work enqueued while the view was in use (see the module docstring)."""
 
-    __slots__ = ("_lock", "key", "keepalive", "lifetime", "nbytes", "owner", "state", "stream")
+    __slots__ = (
+        "_bucket",
+        "_lock",
+        "key",
+        "keepalive",
+        "lifetime",
+        "nbytes",
+        "owner",
+        "state",
+        "stream",
+    )
 
     def __new__(cls, view: ArrayView, stream: Stream) -> ViewLease:
         return super().__new__(cls, view, _view_released)
@@ -163,6 +186,7 @@ class ViewLease(weakref.ref[ArrayView]):
         self.owner: object = view.owner
         self.nbytes = view.nbytes
         self.state = LeaseState.IN_USE
+        self._bucket = (self.key, id(view.owner))
 
     def _target(self) -> StreamId:
         """Where to record from this thread: the consumer's stream, or for
@@ -173,7 +197,9 @@ class ViewLease(weakref.ref[ArrayView]):
         return key
 
     def _record(self) -> bool:
-        """IN_USE -> HELD (lock held). False when the stream is capturing."""
+        """IN_USE -> HELD or MERGED (lock held). False when the stream is capturing."""
+        if self._merge():
+            return True
         on = self._target()
         backend = on.backend
         owner, stream = self.owner, self.stream
@@ -199,14 +225,40 @@ class ViewLease(weakref.ref[ArrayView]):
         del stream  # an owned stream may be destroyed now: its hold is recorded
         return True
 
-    def _end(self, state: LeaseState) -> None:
+    def _merge(self) -> bool:
+        """IN_USE -> MERGED (lock held) when another lease of the same owner on
+        the same stream is still in use: it has not decided to record yet (a
+        lease leaves ``_in_use`` before it records), so its record comes after
+        every piece of work enqueued with this view. Decided under one lock, so
+        of two leases that settle at once exactly one records."""
+        with _in_use_lock:
+            bucket = _in_use.get(self._bucket)
+            if bucket is None or len(bucket) < 2:
+                return False
+            self._leave(bucket)
+            table.merged += 1  # under the lock: the one place that counts it
+        self._end(LeaseState.MERGED, indexed=False)
+        return True
+
+    def _leave(self, bucket: dict[int, ViewLease]) -> None:
+        """Out of ``_in_use`` (its lock held)."""
+        bucket.pop(id(self), None)
+        if not bucket:
+            del _in_use[self._bucket]
+
+    def _end(self, state: LeaseState, *, indexed: bool = True) -> None:
+        """Let go of everything (``indexed``: it may still be in ``_in_use``)."""
         self.state = state
         self.owner = None
         self.stream = self.keepalive = None
         lifetime = self.lifetime
         if lifetime is not None:
             lifetime.forget(self)
-        _live.discard(self)
+        if indexed:
+            with _in_use_lock:
+                bucket = _in_use.get(self._bucket)
+                if bucket is not None and id(self) in bucket:
+                    self._leave(bucket)
 
     def settle(self) -> bool:
         """The view was collected: record the hold now, from this thread."""
@@ -247,10 +299,12 @@ def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
     if view.owner is None or not stream._records_later():
         return None
     lease = ViewLease(view, stream)
+    with _in_use_lock:  # first: closing the stream may settle it at once
+        _in_use.setdefault(lease._bucket, {})[id(lease)] = lease
     lifetime = lease.lifetime
     if lifetime is not None and not lifetime.listen(lease):
-        return None  # the stream is closing: nothing more will run on it
-    _live.add(lease)
+        lease._end(LeaseState.DROPPED)  # the stream is closing: nothing more will run on it
+        return None
     return lease
 
 

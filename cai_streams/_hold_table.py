@@ -14,7 +14,11 @@ outside the table's lock: their finalizers may call the library.
 
 Views whose release must record a hold (see ``_hold``) are queued here by a
 weakref callback, which may run in any thread inside any lock, so it only
-appends; :func:`tick` settles them.
+appends; :func:`tick` settles them, each at the second tick after its release:
+by then a newer view of the same owner on the same stream has usually been
+made (the next handoff of a loop), and the released one is merged into it
+instead of recording an event of its own. :meth:`HoldTable.sweep` settles
+every one at once.
 """
 
 from __future__ import annotations
@@ -75,6 +79,10 @@ class HoldTable:
         self.made = 0
         self.released = 0
         self.released_views: deque[Settles] = deque()
+        #: how many of the oldest released views were queued before the last tick
+        self.aged = 0
+        #: released views whose hold a newer one of the same owner and stream covers
+        self.merged = 0
         self._warned_at: tuple[int, int] | None = None
 
     @property
@@ -201,6 +209,7 @@ class HoldTable:
         """Settle every released view, then release every completed hold."""
         for _ in range(len(self.released_views)):
             self._settle_one()
+        self.aged = len(self.released_views)  # what is left waits for a capture to end
         self.release_completed(None)
 
     def _settle_one(self) -> None:
@@ -217,12 +226,15 @@ table = HoldTable()
 
 def tick() -> None:
     """Bounded release work, done by the shared poller on every pass and by
-    the library on entry: settle a few released views, query a few holds.
-    Never blocks."""
+    the library on entry: settle a few views released before the previous
+    tick, query a few holds. Never blocks."""
     if not table.busy:
+        table.aged = 0  # nothing is queued
         return
-    for _ in range(min(TICK_SETTLES, len(table.released_views))):
+    queued = table.released_views
+    for _ in range(min(TICK_SETTLES, table.aged, len(queued))):
         table._settle_one()
+    table.aged = len(queued)  # (another thread's tick may race: only a delay of one)
     if table.count:
         table.release_completed(TICK_QUERIES)
 

@@ -34,6 +34,7 @@ __all__ = [
     "Lifetime",
     "StreamId",
     "backend_serial",
+    "is_open",
     "stream_id_now",
     "thread_name",
     "thread_serial",
@@ -212,6 +213,7 @@ class Lifetime:
         self._closing = True
         self.closed = True
         with _lock:
+            _open_generations.discard(self.generation)
             if _owned.get(self.key) is self:
                 del _owned[self.key]
 
@@ -219,6 +221,9 @@ class Lifetime:
 # A live stream's handle is unique in the process (CUDA's are addresses), so
 # owned streams are keyed by backend and handle; each knows its device.
 _owned: dict[tuple[int, int], Lifetime] = {}
+#: the generations of the streams in ``_owned``: whether a StreamId still
+#: names an open stream is one set lookup (every capture check asks)
+_open_generations: set[int] = set()
 
 
 def new_lifetime(backend: Backend, device: int, handle: int) -> Lifetime:
@@ -228,7 +233,15 @@ def new_lifetime(backend: Backend, device: int, handle: int) -> Lifetime:
     lifetime = Lifetime(key, device)
     with _lock:
         _owned[key] = lifetime
+        _open_generations.add(lifetime.generation)
     return lifetime
+
+
+def is_open(key: StreamId) -> bool:
+    """Whether the stream this library made that ``key`` names (its
+    generation is not 0) is still open: False once it was closed, whatever
+    stream its handle names now. Does not block."""
+    return key.generation in _open_generations
 
 
 def lifetime_of(backend: Backend, handle: int) -> Lifetime | None:

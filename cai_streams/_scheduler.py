@@ -19,7 +19,7 @@ from ._access import Counters
 from ._backend import Backend, current_backend
 from ._doorbell import stats as doorbell_stats
 from ._errors import CudaError
-from ._events import of_backend, pool_for, pools_of, record, registered
+from ._events import pool_for, pools_of, record, registered
 from ._hold_table import table as holds
 from ._hold_table import tick as release_holds
 from ._identity import StreamId, stream_id_now
@@ -55,13 +55,23 @@ class Scheduler:
                 stream = self._export_stream
         return stream
 
-    def join(self, waiter: int, producer: StreamId, *, keepalive: object, what: str) -> None:
+    def join(
+        self,
+        waiter: int,
+        producer: StreamId,
+        *,
+        keepalive: object,
+        what: str,
+        waiter_id: StreamId | None = None,
+    ) -> None:
         """Stream ``waiter`` waits for all work enqueued so far on ``producer``
         (one pooled event of the producer's device, recorded now; ``keepalive``
         lives until it completes). A join a graph capture forbids raises
         CaptureError first (``what`` is the call, for its message); a capturing
-        waiter of an idle producer needs none."""
-        waiter_id = stream_id_now(self.backend, waiter)
+        waiter of an idle producer needs none. ``waiter_id``: the waiter's
+        identity, when the caller has it already."""
+        if waiter_id is None:
+            waiter_id = stream_id_now(self.backend, waiter)
         if not _capture_guard.check_join(self.backend, waiter_id, producer, what):
             return
         pool = pool_for(self.backend, producer.device)  # recorded on the producer's device
@@ -155,6 +165,8 @@ class Scheduler:
 
 _schedulers: dict[tuple[Backend, int], Scheduler] = {}
 _schedulers_lock = threading.Lock()
+#: the same schedulers per backend, in the order made: every lookup walks them
+_of_backend: dict[Backend, tuple[Scheduler, ...]] = {}
 
 
 def scheduler_for(backend: Backend, device: int | None = None) -> Scheduler:
@@ -162,18 +174,24 @@ def scheduler_for(backend: Backend, device: int | None = None) -> Scheduler:
     if device is None:
         device = backend.current_device()
     on = device
-    return registered(_schedulers, _schedulers_lock, (backend, on), lambda: Scheduler(backend, on))
+
+    def make() -> Scheduler:  # under the lock
+        made = Scheduler(backend, on)
+        _of_backend[backend] = (*_of_backend.get(backend, ()), made)
+        return made
+
+    return registered(_schedulers, _schedulers_lock, (backend, on), make)
 
 
 def schedulers_of(backend: Backend) -> list[Scheduler]:
     """Every scheduler made so far for ``backend`` (one per device used)."""
-    return of_backend(_schedulers, backend)
+    return list(_of_backend.get(backend, ()))
 
 
 def find_work(backend: Backend, obj: object) -> PendingWork | None:
     """The pending work of ``obj`` on whichever device it is tracked. Does not block."""
     release_holds()  # every handoff, export and track() passes here: a bounded step
-    for sched in schedulers_of(backend):
+    for sched in _of_backend.get(backend, ()):
         work = sched.work_of(obj)
         if work is not None:
             return work
@@ -193,8 +211,10 @@ def stats() -> dict[str, int]:
     every event loop, ``poll_passes``, ``poll_queries`` (event queries made)
     and ``poll_wakes`` (waiters woken); for the stream-ordered holds of
     every device (``cs.hold``, views handed to a stream), ``holds`` (in
-    flight), ``hold_bytes`` (bytes their owners say they have), ``holds_made``
-    and ``holds_released``; for the doorbell (process-wide),
+    flight), ``hold_bytes`` (bytes their owners say they have), ``holds_made``,
+    ``holds_released`` and ``holds_merged`` (released views whose hold was
+    merged into a newer view's of the same owner on the same stream, so
+    recorded no event of its own); for the doorbell (process-wide),
     ``doorbells_armed``, ``doorbells_fired``, ``doorbells_retired`` (no
     longer watched before they fired: their poller ended first, or their
     device faulted), ``doorbell_lanes`` (notifier streams) and
@@ -230,4 +250,5 @@ def stats() -> dict[str, int]:
         "hold_bytes": holds.nbytes,
         "holds_made": holds.made,
         "holds_released": holds.released,
+        "holds_merged": holds.merged,
     }

@@ -11,6 +11,7 @@ import enum
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import _capture_guard
@@ -386,10 +387,11 @@ class Stream:
         state = "closed" if self.closed else ("owned" if self._owned else "borrowed")
         return f"<Stream {self._handle:#x} on {self._backend.name} ({state})>"
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # (bound at definition: at shutdown this module's globals may be None)
         if getattr(self, "_owned", False) and not self._closed:
             self._closed = True
-            if sys.is_finalizing():  # the driver frees it with the context; its
+            if _finalizing():  # the driver frees it with the context; its
                 return  # bindings may already be torn down
             try:
                 lifetime = self._lifetime

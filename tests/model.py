@@ -11,10 +11,11 @@ at once on several threads when their order does not matter to the oracle
 sees that write).
 
 A ``dropped_owner`` step gives a fresh array to a stream (``cs.hold``, a
-view from ``consume(stream=)`` or ``consuming()``), enqueues a read of it and
-drops it at once; the next allocation of its size, which the caching allocator
-may serve from its block, is written at once: the read must still see the
-dropped array's values.
+view from ``consume(stream=)`` or ``consuming()``, or two views on one stream,
+the first released before the second is made, which may merge their holds),
+enqueues a read of it and drops it at once; the next allocation of its size,
+which the caching allocator may serve from its block, is written at once: the
+read must still see the dropped array's values.
 
 Every write stores fresh values, every read copies the buffer to a result
 array (or to the host), and the oracle is the same program run sequentially
@@ -293,9 +294,9 @@ class _Gen:
         if kind == "track_race":
             return Step(kind, "loop", {"b": b})
         if kind == "dropped_owner":
-            how = rng.choice(["hold", "consume", "consuming"])
+            how = rng.choice(["hold", "consume", "consuming", "consume_twice"])
             s = self.read_stream()
-            if how == "consume" and s[0] == "int":
+            if how in ("consume", "consume_twice") and s[0] == "int":
                 how = "hold"  # a bare handle's view keeps its owner only while it lives
             thread = "loop" if how == "consuming" else self.any_thread()
             return Step(
@@ -497,6 +498,7 @@ class _State:
         self.results: list[tuple[str, Any, np.ndarray[Any, Any]]] = []
         self.lock = threading.Lock()
         self.seq = 0  # steps run so far: the sanitizer hears of their order
+        _before(0)  # the setup above (the loop's thread) is before the first step's thread
 
     # -- resolving names -----------------------------------------------------
 
@@ -687,6 +689,12 @@ class _State:
             view = cs.consume_blocking(owner, stream=s, timeout=WAIT)
             self.launch_copy(s, out, view, a["d"])
             del view
+        if a["how"] == "consume_twice":  # the first view may be merged into this one
+            again = cs.consume_blocking(owner, stream=s, timeout=WAIT)
+            out2 = self.new_result()
+            self.launch_copy(s, out2, again, a["d"])
+            del again
+            self.owner_dropped("dropped owner (second view)", out2, a["value"])
         del owner
         self.owner_dropped(f"dropped owner ({a['how']})", out, a["value"])
 

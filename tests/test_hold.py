@@ -411,6 +411,91 @@ def test_a_released_view_keeps_its_owner_until_the_stream_passes_what_was_enqueu
     later.release()
 
 
+def test_a_loop_of_views_of_one_owner_on_one_stream_records_one_hold_and_keeps_the_owner(
+    ops: DeviceOps,
+) -> None:
+    """Consume, drop, consume again: each released view is merged into the
+    newer one (one record for all), and the owner still lives until the stream
+    passes the first view's work."""
+    s = cs.Stream()
+    latch = ops.latch(s)  # nothing enqueued on s after it runs until it is released
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    start = cs.stats()
+    for _ in range(20):
+        view = cs.consume_blocking(box, stream=s)
+        del view
+    view = cs.consume_blocking(box, stream=s)
+    mid = cs.stats()  # settles every released view: each merges into the live one
+    assert mid["holds_merged"] - start["holds_merged"] == 20
+    assert mid["holds_made"] == start["holds_made"]
+    del view, box
+    end = cs.stats()  # the last view records the one hold
+    assert end["holds_made"] - start["holds_made"] == 1
+    assert ref() is not None
+    latch.release()
+    assert released_soon(ref)
+
+
+def test_views_of_one_owner_on_two_streams_or_two_owners_on_one_stream_are_not_merged(
+    ops: DeviceOps,
+) -> None:
+    """The controls: a newer view on another stream, or of another owner, does
+    not cover a released view's work; merged into it, the owner would go at
+    once, while its stream is still latched."""
+    s, other = cs.Stream(), cs.Stream()
+    latch = ops.latch(s)
+    box, mate = Box(ops.array(np.zeros(64, np.float32))), Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    start = cs.stats()
+    view = cs.consume_blocking(box, stream=s)
+    newer = [cs.consume_blocking(box, stream=other), cs.consume_blocking(mate, stream=s)]
+    del view, box
+    assert cs.stats()["holds_merged"] == start["holds_merged"]  # settled with both alive
+    del newer
+    end = cs.stats()
+    assert end["holds_made"] - start["holds_made"] == 3
+    assert ref() is not None  # held by its own record on s
+    latch.release()
+    assert released_soon(ref)
+
+
+def test_views_of_one_owner_released_from_several_threads_at_once_keep_it_until_the_stream_passes(
+    ops: DeviceOps,
+) -> None:
+    """Four threads hand one owner to one stream and drop the views while
+    each other's settle: every view is either recorded or merged, at least one
+    records, and the owner outlives the latch (were two leases each to merge
+    into the other, none would record and the owner would go at once)."""
+    s = cs.Stream()
+    latch = ops.latch(s)
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    start = cs.stats()
+    rounds, threads = 50, 4
+    go = threading.Barrier(threads, timeout=WAIT)
+
+    def handoffs(owner: Box) -> None:
+        go.wait()
+        for _ in range(rounds):
+            view = cs.consume_blocking(owner, stream=s)
+            del view
+
+    workers = [threading.Thread(target=handoffs, args=(box,)) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(WAIT)
+    del box
+    end = cs.stats()
+    made = end["holds_made"] - start["holds_made"]
+    merged = end["holds_merged"] - start["holds_merged"]
+    assert made + merged == rounds * threads and made >= 1, (made, merged)
+    assert ref() is not None
+    latch.release()
+    assert released_soon(ref)
+
+
 @pytest.mark.anyio
 async def test_consuming_exit_records_the_hold_on_a_bare_handle_too(
     ops: DeviceOps, backend: cs.Backend
