@@ -331,7 +331,11 @@ class _Poller:
                 skip_armed = woken is Woken.RUNG and now - full_pass_at < _policy.fallback
                 if not skip_armed:
                     full_pass_at = now
-                if await self._pass(skip_armed=skip_armed) or self.new_waiter:
+                # A ring woke waiters as a pass would have: the poller has not
+                # found its streams idle, and must not back off to arm every head
+                # (bells chain by themselves while completions are sparse).
+                woke = await self._pass(skip_armed=skip_armed)
+                if woke or self.new_waiter or woken is Woken.RUNG:
                     self.new_waiter = False
                     delays = iter(_policy.delays())
                 if not self.queues:
