@@ -120,6 +120,18 @@ async def _wake_times(*waits: tuple[str, cs.Event]) -> dict[str, float]:
     return woke
 
 
+def _slow_and_fast() -> tuple[cs.Event, cs.Event]:
+    """Under a policy whose passes are SLOW apart: an event after 2 SLOW on one
+    stream, and one after 20 ms on another."""
+    cs.use_backend("sim")
+    cs.configure(poll=_sleepy("doorbell"))
+    slow, fast = cs.Stream(), cs.Stream()
+    sim.launch(slow, lambda: None, duration=SLOW * 2)
+    slow_event = slow.record()
+    sim.launch(fast, lambda: None, duration=0.02)
+    return slow_event, fast.record()
+
+
 async def _time_one_wait(duration: float) -> float:
     s = cs.Stream()
     sim.launch(s, lambda: None, duration=duration)
@@ -148,13 +160,7 @@ async def test_a_bell_wakes_the_waiter_long_before_the_next_pass() -> None:
 
 async def test_a_stream_that_completes_first_is_not_held_behind_a_slow_one() -> None:
     """Bells of different streams use different notifier streams."""
-    cs.use_backend("sim")
-    cs.configure(poll=_sleepy("doorbell"))
-    slow, fast = cs.Stream(), cs.Stream()
-    sim.launch(slow, lambda: None, duration=SLOW * 2)
-    slow_event = slow.record()
-    sim.launch(fast, lambda: None, duration=0.02)
-    fast_event = fast.record()
+    slow_event, fast_event = _slow_and_fast()
     woke = await _wake_times(("slow", slow_event), ("fast", fast_event))
     assert woke["fast"] < woke["slow"] / 2, woke
 
@@ -229,13 +235,7 @@ async def test_the_pass_after_a_ring_skips_streams_whose_bell_is_armed() -> None
     whose oldest event has a bell rings for itself: that pass does not query
     it. The pass that is due by the policy's cadence does (the control: the
     counter sees those queries)."""
-    cs.use_backend("sim")
-    cs.configure(poll=_sleepy("doorbell"))
-    fast, slow = cs.Stream(), cs.Stream()
-    sim.launch(slow, lambda: None, duration=SLOW * 2)
-    slow_event = slow.record()
-    sim.launch(fast, lambda: None, duration=0.02)
-    fast_event = fast.record()
+    slow_event, fast_event = _slow_and_fast()
     queries: dict[str, int] = {}
     rang = anyio.Event()
 
@@ -799,16 +799,23 @@ async def test_closing_an_event_that_a_task_awaits_defers_its_destruction() -> N
     backend.destroy_event(again)
 
 
+def _held_events(gate: threading.Event) -> tuple[list[cs.Event], object]:
+    """Under a policy whose passes are SLOW apart: 20 events on one stream,
+    held until ``gate`` is set, and the stream's key."""
+    cs.use_backend("sim")
+    cs.configure(poll=_sleepy("doorbell"))
+    slow = cs.Stream()
+    sim.launch(slow, lambda: gate.wait(20))
+    events = [slow.record() for _ in range(20)]
+    return events, events[0]._mark.key
+
+
 async def test_one_stream_waited_out_of_order_does_not_take_every_lane() -> None:
     """Waiters arriving in reverse record order each need a lane where nothing
     later is queued; one stream gets at most MAX_LANES_PER_STREAM, so another
     stream's waiter still gets a bell and wakes long before the slow pass."""
-    cs.use_backend("sim")
-    cs.configure(poll=_sleepy("doorbell"))
-    slow, gate = cs.Stream(), threading.Event()
-    sim.launch(slow, lambda: gate.wait(20))
-    events = [slow.record() for _ in range(20)]
-    key = events[0]._mark.key
+    gate = threading.Event()
+    events, key = _held_events(gate)
     try:
         async with anyio.create_task_group() as tg:
             for event in reversed(events):
@@ -831,12 +838,8 @@ async def test_waiters_that_arrive_together_out_of_order_arm_one_bell() -> None:
     bell, not each waiter that was its head for a moment (the control is the
     test above: waiters 2 ms apart, each the head for a while, take
     MAX_LANES_PER_STREAM notifier streams, and the rest get none)."""
-    cs.use_backend("sim")
-    cs.configure(poll=_sleepy("doorbell"))
-    slow, gate = cs.Stream(), threading.Event()
-    sim.launch(slow, lambda: gate.wait(20))
-    events = [slow.record() for _ in range(20)]
-    key = events[0]._mark.key
+    gate = threading.Event()
+    events, key = _held_events(gate)
     before = cs.stats()
     try:
         async with anyio.create_task_group() as tg:
