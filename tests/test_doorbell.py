@@ -285,6 +285,34 @@ async def test_only_sparse_completions_chain_bells(cap: float) -> None:
         assert armed > n * 3 / 4, armed
 
 
+async def test_a_ring_keeps_the_poller_from_backing_off_into_a_bell_per_completion() -> None:
+    """Completions 5 ms apart are dense for a 16 ms ``cap``: after the first
+    few, no bell chains the next. A ring wakes waiters as a pass does, so it
+    restarts the pass cadence (1, 2, 4, 8 ms: a pass finds the next one)
+    instead of letting the poller back off to ``cap`` and arm every head,
+    which gave each completion a bell (951 of 1,000 under uvloop, whose timers
+    are that coarse)."""
+    cs.use_backend("sim")
+    cs.configure(
+        poll=cs.PollPolicy(
+            spin=0, first=0.001, growth=2.0, cap=0.016, fallback=SLOW, wake="doorbell"
+        )
+    )
+    n = 40
+    s = cs.Stream()
+    sim.launch(s, lambda: None, duration=0.02)  # every waiter in place first
+    events = []
+    for _ in range(n):
+        sim.launch(s, lambda: None, duration=0.005)
+        events.append(s.record())
+    before = _settled()
+    async with anyio.create_task_group() as tg:
+        for event in events:
+            tg.start_soon(event.wait)
+    armed = _settled()["doorbells_armed"] - before["doorbells_armed"]
+    assert armed < n / 2, armed
+
+
 async def test_a_fault_under_an_armed_bell_is_found_while_other_bells_ring() -> None:
     """A faulted device runs no host function again, so its armed bell never
     rings; the passes that rings ask for skip armed streams, but one every
