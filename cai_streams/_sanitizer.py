@@ -579,14 +579,18 @@ class _Watcher(Observer):
             _state.enqueue(backend, stream)
 
     def recorded(self, backend: Backend, event: int, stream: int) -> None:
+        key = (backend, event)
         with _state.lock:
             actor = _state.stream(backend, stream)
             origin = _state.capture_of.get(actor)
             if origin is not None:  # a node of the graph: a wait on it joins the capture
-                _state.capture_events[(backend, event)] = origin
-                return
+                _state.capture_events[key] = origin  # (its last real record stays, as
+                return  # on the device: the node runs only when the graph does)
+            # a real record after one in a capture: a wait means this one, as on the
+            # device, and no longer draws its stream into the capture
+            _state.capture_events.pop(key, None)
             # enqueue() already joined the host into the stream: capture its clock
-            _state.events[(backend, event)] = dict(_state.clock(actor))
+            _state.events[key] = dict(_state.clock(actor))
 
     def waited(self, backend: Backend, stream: int, event: int) -> None:
         with _state.lock:
@@ -615,9 +619,11 @@ class _Watcher(Observer):
 
     def destroyed(self, backend: Backend, event: int) -> None:
         events = _state.events  # (may run from a collection, inside a change of the state)
+        captured = _state.capture_events
 
         def forget() -> None:
             events.pop((backend, event), None)
+            captured.pop((backend, event), None)
 
         _state.lock.run_or_defer(forget)
 

@@ -66,6 +66,26 @@ def _host_read_before_sync() -> None:
     x.to_host()
 
 
+def _host_read_after_a_wait_on_an_event_recorded_again_outside_a_capture() -> None:
+    """A wait refers to the event's latest record: recorded in a capture, then
+    again outside it, the event does not draw its waiter into the capture, and
+    that stream's kernels are real work a host read must wait for."""
+    backend = cs.current_backend()
+    c, x, y, data = cs.Stream(), cs.Stream(), cs.Stream(), sim.empty(64)
+    event = backend.create_event()
+    c.begin_capture("relaxed")
+    try:
+        sim.launch(c, lambda: None)
+        backend.record(event, c.handle)  # a node of the graph
+        backend.record(event, x.handle)  # the latest record: outside the capture
+        backend.stream_wait_event(y.handle, event)
+        w(y, data)
+        data.to_host()
+    finally:
+        c.end_capture()
+        backend.destroy_event(event)
+
+
 def _host_consume_of_a_mislabelled_array() -> None:
     s, x = cs.Stream(), sim.empty(64)
     w(s, x)
@@ -193,6 +213,10 @@ def _graph_replayed_again_unordered() -> None:
 RACY: dict[str, tuple[Callable[[], None], str]] = {
     "missing wait": (_missing_wait, "stream"),
     "host read before sync": (_host_read_before_sync, "to_host"),
+    "host read after a wait on an event recorded again outside a capture": (
+        _host_read_after_a_wait_on_an_event_recorded_again_outside_a_capture,
+        "to_host",
+    ),
     "host consume of a mislabelled array": (_host_consume_of_a_mislabelled_array, "host thread"),
     "write after read on buffer reuse": (_write_after_read_on_reuse, "buffer is reused"),
     "write after write from two streams": (_write_after_write, "write of"),
