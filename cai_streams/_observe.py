@@ -332,11 +332,16 @@ def _query_stream(backend: Backend, real: Any) -> Callable[..., Any]:
     return query_stream
 
 
+# Destroys tell the observers first, while the handle is still the caller's:
+# once destroyed, another thread may be handed the same handle (the driver and
+# the simulator reuse them) and record it, and that record must not be forgotten.
+
+
 def _destroy_event(backend: Backend, real: Any) -> Callable[..., Any]:
     def destroy_event(event: int) -> None:
-        real(backend, event)
         for o in _observers:
             o.destroyed(backend, event)
+        real(backend, event)
 
     return destroy_event
 
@@ -392,18 +397,18 @@ def _launch_graph(backend: Backend, real: Any) -> Callable[..., Any]:
 
 def _destroy_graph(backend: Backend, real: Any) -> Callable[..., Any]:
     def destroy_graph(graph: int) -> None:
-        real(backend, graph)
         for o in _observers:
             o.graph_destroyed(backend, graph, False)
+        real(backend, graph)
 
     return destroy_graph
 
 
 def _destroy_graph_exec(backend: Backend, real: Any) -> Callable[..., Any]:
     def destroy_graph_exec(graph_exec: int) -> None:
-        real(backend, graph_exec)
         for o in _observers:
             o.graph_destroyed(backend, graph_exec, True)
+        real(backend, graph_exec)
 
     return destroy_graph_exec
 

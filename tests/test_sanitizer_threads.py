@@ -434,3 +434,32 @@ def test_locks_are_wrapped_only_while_sanitizing() -> None:
         assert not seen.locked() and seen.acquire(False)
         seen.release()
     assert type(threading.Lock()) is not plain
+
+
+def test_observers_hear_of_a_destroy_while_the_handle_is_still_the_callers() -> None:
+    """Handles are reused, the last freed first, by any thread: were observers
+    told of a destroy after it, another thread could be handed the handle and
+    record it in between, and the sanitizer would forget that record (a
+    consume whose pooled event reused a handle another thread had just freed
+    found no record of what it waited for, and named a false hazard). Here the
+    observer asks for an event at that moment, as the other thread would."""
+    from cai_streams import _observe
+
+    backend = cs.use_backend("sim")
+    handed: list[tuple[int, int]] = []
+
+    class OtherThread(_observe.Observer):
+        def destroyed(self, b: cs.Backend, event: int) -> None:
+            if not handed:
+                fresh = b.create_event()
+                handed.append((event, fresh))
+                b.destroy_event(fresh)
+
+    spy = OtherThread()
+    _observe.add(spy)
+    try:
+        backend.destroy_event(backend.create_event())
+    finally:
+        _observe.remove(spy)
+    ((destroyed, fresh),) = handed
+    assert fresh != destroyed  # still the destroyer's when the observers heard
