@@ -257,17 +257,11 @@ async def test_the_pass_after_a_ring_skips_streams_whose_bell_is_armed() -> None
     assert queries["after a timed pass"] > 0, queries
 
 
-@pytest.mark.parametrize("cap", [SLOW * 2, 0.001])
-async def test_only_sparse_completions_chain_bells(cap: float) -> None:
-    """Completions that come less than ``cap`` apart on average are seen by
-    the passes about as soon as a bell would see them, for a query each: a
-    bell that rings among them does not arm the next one. The same kernels,
-    5 ms apart, are sparse for a 1 ms ``cap``: there each completion chains
-    the next bell (the control: this poller never backs off to ``cap``, so
-    only chaining arms them)."""
+async def _bells_for_kernels_5_ms_apart(n: int, policy: cs.PollPolicy) -> int:
+    """Under ``policy``: the bells armed while ``n`` waiters, all in place
+    first, wait for ``n`` kernels of one stream that end 5 ms apart."""
     cs.use_backend("sim")
-    cs.configure(poll=_never_backs_off(cap))
-    n = 40
+    cs.configure(poll=policy)
     s = cs.Stream()
     sim.launch(s, lambda: None, duration=0.02)  # every waiter in place first
     events = []
@@ -278,7 +272,19 @@ async def test_only_sparse_completions_chain_bells(cap: float) -> None:
     async with anyio.create_task_group() as tg:
         for event in events:
             tg.start_soon(event.wait)
-    armed = _settled()["doorbells_armed"] - before["doorbells_armed"]
+    return _settled()["doorbells_armed"] - before["doorbells_armed"]
+
+
+@pytest.mark.parametrize("cap", [SLOW * 2, 0.001])
+async def test_only_sparse_completions_chain_bells(cap: float) -> None:
+    """Completions that come less than ``cap`` apart on average are seen by
+    the passes about as soon as a bell would see them, for a query each: a
+    bell that rings among them does not arm the next one. The same kernels,
+    5 ms apart, are sparse for a 1 ms ``cap``: there each completion chains
+    the next bell (the control: this poller never backs off to ``cap``, so
+    only chaining arms them)."""
+    n = 40
+    armed = await _bells_for_kernels_5_ms_apart(n, _never_backs_off(cap))
     if cap > SLOW:
         assert armed < n / 4, armed
     else:
@@ -292,24 +298,11 @@ async def test_a_ring_keeps_the_poller_from_backing_off_into_a_bell_per_completi
     instead of letting the poller back off to ``cap`` and arm every head,
     which gave each completion a bell (951 of 1,000 under uvloop, whose timers
     are that coarse)."""
-    cs.use_backend("sim")
-    cs.configure(
-        poll=cs.PollPolicy(
-            spin=0, first=0.001, growth=2.0, cap=0.016, fallback=SLOW, wake="doorbell"
-        )
-    )
     n = 40
-    s = cs.Stream()
-    sim.launch(s, lambda: None, duration=0.02)  # every waiter in place first
-    events = []
-    for _ in range(n):
-        sim.launch(s, lambda: None, duration=0.005)
-        events.append(s.record())
-    before = _settled()
-    async with anyio.create_task_group() as tg:
-        for event in events:
-            tg.start_soon(event.wait)
-    armed = _settled()["doorbells_armed"] - before["doorbells_armed"]
+    policy = cs.PollPolicy(
+        spin=0, first=0.001, growth=2.0, cap=0.016, fallback=SLOW, wake="doorbell"
+    )
+    armed = await _bells_for_kernels_5_ms_apart(n, policy)
     assert armed < n / 2, armed
 
 
