@@ -292,7 +292,7 @@ class _Doorbell:
             now = time.monotonic()
             if self.fds + 2 > MAX_FDS or now - self._settled_at > SETTLE_EVERY:
                 self._settled_at = now
-                self._reclaim_fds()
+                self._sweep_locked(in_use=False)  # settles the orphans timed-out waits left
                 if self.fds + 2 > MAX_FDS:
                     return None  # the poller's cadence covers it
             try:
@@ -394,11 +394,6 @@ class _Doorbell:
                 self._release(lane)
                 return lane
         return None
-
-    def _reclaim_fds(self) -> None:
-        """Lock held: settle every orphan that can be (waiters that keep timing
-        out on a long kernel leave one per wait)."""
-        self._sweep_locked(in_use=False)
 
     def _sweep_locked(self, *, in_use: bool) -> None:
         """Lock held: retire the bells of closed loops, settle the orphans of

@@ -540,10 +540,16 @@ class Event:
     def __repr__(self) -> str:
         return f"<Event {self._handle:#x} on stream {self._stream._handle:#x}>"
 
-    def __del__(self) -> None:
-        if getattr(self, "_state", _EventState.DESTROYED) is _EventState.OPEN:
-            self._state = _EventState.DESTROYED
-            if sys.is_finalizing():
+    def __del__(
+        self,
+        _finalizing: Callable[[], bool] = sys.is_finalizing,
+        _open: _EventState = _EventState.OPEN,
+        _destroyed: _EventState = _EventState.DESTROYED,
+    ) -> None:
+        # (bound at definition, as Stream.__del__: at shutdown globals may be None)
+        if getattr(self, "_state", None) is _open:
+            self._state = _destroyed
+            if _finalizing():
                 return
             try:
                 self._backend.destroy_event(self._handle)
