@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import gc
 import threading
 import time
@@ -205,6 +206,75 @@ def test_without_read_tracking_the_buffer_is_overwritten_under_the_reader() -> N
     latch.release()
     reader.synchronize()
     np.testing.assert_array_equal(out.to_host(), 2.0)  # the reader saw the refill
+
+
+def _export_ready_then_write_elsewhere(
+    *, guarded: bool, consumer_reads: bool
+) -> tuple[object, np.ndarray[Any, Any]]:
+    """A consumer thread exports ready data onto its stream ``c`` (stream
+    None: nothing pending), enqueues its read there behind a latch (or not
+    yet: ``consumer_reads`` False), and tells the main thread through a raw
+    lock, which the sanitizer does not see. The main thread then writes the
+    buffer on ``w``: inside ``writing()`` (``guarded``) or with a bare launch.
+    Returns the exported stream entry and what the consumer read."""
+    ops = SimOps()
+    t = cs.track(sim.asarray(np.zeros(64)))
+    out = sim.asarray(np.full(64, -1.0))
+    exported: list[object] = []
+    handed = _thread.allocate_lock()
+    handed.acquire()
+    c, w = cs.Stream(), cs.Stream()
+
+    def consumer() -> None:
+        exported.append(t.export(c)["stream"])
+        if consumer_reads:
+            ops.latch(c)
+            ops.copy(c, out, t.array)  # the consumer's read, right after the handoff
+        handed.release()
+
+    th = threading.Thread(target=consumer)
+    th.start()
+    try:
+        assert handed.acquire(timeout=10)
+        if guarded:
+            with t.writing(w):
+                ops.fill(w, t.array, 2.0)
+        else:
+            ops.fill(w, t.array, 2.0)
+    finally:
+        th.join(10)
+        ops.release_all()
+        c.synchronize()  # before ``out`` can be freed, even when the write was named
+        w.synchronize()
+    return exported[0], out.to_host()
+
+
+@pytest.mark.parametrize("consumer_reads", [True, False], ids=["read enqueued", "no read yet"])
+def test_a_write_in_another_thread_waits_for_the_consumer_of_a_ready_export(
+    consumer_reads: bool,
+) -> None:
+    """An export of ready data names no stream; the consumer's read on the
+    stream it passed is protected all the same, whether or not it was enqueued
+    yet. The sanitizer checks the writer against that read: it once declared a
+    host read at the export instead, which only a read the consumer went on to
+    enqueue covered, so it named the guarded writer of the thread stress below."""
+    stream, seen = _export_ready_then_write_elsewhere(guarded=True, consumer_reads=consumer_reads)
+    assert stream is None
+    np.testing.assert_array_equal(seen, 0.0 if consumer_reads else -1.0)  # read before the write
+
+
+def test_an_unguarded_write_after_a_ready_export_races_and_is_named() -> None:
+    """The control: the bare write overwrites what the consumer had yet to read,
+    and the sanitizer names it, against the kernel that read or, before the
+    consumer enqueued one, against the read the export declared for it."""
+    with cs.sanitize(False):
+        stream, seen = _export_ready_then_write_elsewhere(guarded=False, consumer_reads=True)
+    assert stream is None
+    np.testing.assert_array_equal(seen, 2.0)
+    with pytest.raises(cs.HazardError, match="kernel 'copy'"):
+        _export_ready_then_write_elsewhere(guarded=False, consumer_reads=True)
+    with pytest.raises(cs.HazardError, match="export\\(\\): the consumer's read"):
+        _export_ready_then_write_elsewhere(guarded=False, consumer_reads=False)
 
 
 def _increment(x: np.ndarray[Any, Any]) -> None:
