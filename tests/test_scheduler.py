@@ -241,6 +241,7 @@ def _export_ready_then_write_elsewhere(
                 ops.fill(w, t.array, 2.0)
         else:
             ops.fill(w, t.array, 2.0)
+            w.synchronize()  # nothing orders it after the latched read: done before it
     finally:
         th.join(10)
         ops.release_all()
