@@ -123,7 +123,8 @@ async def test_a_fan_out_protects_every_consumer(ops: DeviceOps, shape: str) -> 
     latch = ops.latch(a)
     try:
         if first == "export":
-            assert t.export(a)["stream"] == a.handle
+            # None once the fill already completed: the read on ``a`` counts either way
+            assert t.export(a)["stream"] in (a.handle, None)
         else:
             await cs.consume(t, stream=a)
         if second == "export":

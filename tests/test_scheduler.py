@@ -101,13 +101,17 @@ def test_no_pending_work_exports_no_stream() -> None:
 
 
 def test_pending_work_only_on_the_export_stream_needs_no_event() -> None:
-    s = cs.Stream()
+    s, ops = cs.Stream(), SimOps()
     t = cs.track(sim.empty(4), stream=s)
+    latch = ops.latch(s)  # the write stays pending until the export is checked
     with t.writing(s):
-        SimOps().fill(s, t.array, 1.0)
-    before = cs.stats()
-    assert t.__cuda_array_interface__["stream"] == s.handle
-    after = cs.stats()
+        ops.fill(s, t.array, 1.0)
+    try:
+        before = cs.stats()
+        assert t.__cuda_array_interface__["stream"] == s.handle
+        after = cs.stats()
+    finally:
+        latch.release()
     assert after["joins"] == before["joins"]
     assert after["events_created"] == before["events_created"]
 
