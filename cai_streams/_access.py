@@ -151,7 +151,6 @@ class Access:
         """LAZY -> RECORDED: the consumer's work enqueued so far is what it covers."""
         if self.state is not AccessState.LAZY:
             raise RuntimeError(f"materialize() of a {self.state.value} access")
-        self._forget_lifetime()
         key = self.key
         if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
             # Another thread's per-thread stream cannot be named from here, but
@@ -160,6 +159,9 @@ class Access:
             self._record(StreamId(key.backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0))
         else:
             self._record()
+        # Only now: while it listens, the stream's owner closing it in another
+        # thread waits for this buffer's lock (held here) before destroying it.
+        self._forget_lifetime()
 
     def is_complete(self) -> bool:
         """Whether a recorded access's work is done (raises if it failed); never

@@ -202,19 +202,21 @@ class ViewLease(weakref.ref[ArrayView]):
             return True
         on = self._target()
         backend = on.backend
-        owner, stream = self.owner, self.stream
+        owner, stream, lifetime = self.owner, self.stream, self.lifetime
         try:
             with _OnDevice(backend, on.device, on.handle):
                 if on.handle != LEGACY_DEFAULT_STREAM and backend.is_capturing(on.handle):
                     return False
             # Done first: a limit passed while recording settles the queued
             # leases, and may come back to this one (the lock is re-entrant).
-            self._end(LeaseState.HELD)
+            # It still listens: the stream's owner closing it in another thread
+            # waits for this lease's lock before destroying it.
+            self._end(LeaseState.HELD, forget=False)
             _record_hold(on, owner, self.nbytes, stacklevel=4)
         except KernelError:  # the device faulted: work after the fault never runs
-            self._end(LeaseState.DROPPED)
+            self._end(LeaseState.DROPPED, forget=False)
         except CudaError as exc:  # the stream is gone: its work may still run
-            self._end(LeaseState.DROPPED)
+            self._end(LeaseState.DROPPED, forget=False)
             _kept.append(owner)
             warnings.warn(
                 f"kept {type(owner).__name__} alive for good: could not record a "
@@ -222,6 +224,9 @@ class ViewLease(weakref.ref[ArrayView]):
                 CudaWarning,
                 stacklevel=4,
             )
+        finally:
+            if lifetime is not None and self.state is not LeaseState.IN_USE:
+                lifetime.forget(self)  # (a capturing stream: it still listens)
         del stream  # an owned stream may be destroyed now: its hold is recorded
         return True
 
@@ -246,13 +251,14 @@ class ViewLease(weakref.ref[ArrayView]):
         if not bucket:
             del _in_use[self._bucket]
 
-    def _end(self, state: LeaseState, *, indexed: bool = True) -> None:
-        """Let go of everything (``indexed``: it may still be in ``_in_use``)."""
+    def _end(self, state: LeaseState, *, indexed: bool = True, forget: bool = True) -> None:
+        """Let go of everything (``indexed``: it may still be in ``_in_use``;
+        ``forget``: stop listening to the stream's close now)."""
         self.state = state
         self.owner = None
         self.stream = self.keepalive = None
         lifetime = self.lifetime
-        if lifetime is not None:
+        if forget and lifetime is not None:
             lifetime.forget(self)
         if indexed:
             with _in_use_lock:

@@ -14,6 +14,7 @@ import asyncio
 import gc
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -25,6 +26,7 @@ import pytest
 
 import cai_streams as cs
 from cai_streams import sim
+from cai_streams._hold_table import table
 
 from .device_ops import DeviceOps, SimOps
 from .model import recycled_stream_handles, until
@@ -214,6 +216,90 @@ async def test_closing_the_consumers_stream_keeps_the_producer_working(
         await cs.consume(arr, timeout=5)
     del done
     assert _settled_in_flight(p, w) <= base
+
+
+def _close_during_the_first_record_on(
+    monkeypatch: pytest.MonkeyPatch, backend: cs.Backend, c: cs.Stream
+) -> tuple[threading.Event, list[threading.Thread]]:
+    """When the calling thread first records an event on ``c``, another thread
+    closes ``c``, and the record waits (at most 0.2 s) for the close to end:
+    a close that does not wait for the record destroys ``c`` under it. Returns
+    the "closed" flag and the closing thread (to join)."""
+    real, handle = backend.record, c.handle
+    closed = threading.Event()
+    closers: list[threading.Thread] = []
+
+    def close() -> None:
+        c.close()
+        closed.set()
+
+    def record(event: int, stream: int) -> None:
+        if stream == handle and not closers:
+            th = threading.Thread(target=close)
+            closers.append(th)
+            th.start()
+            closed.wait(0.2)  # the close must wait for this record (its lock is held)
+        real(event, stream)
+
+    monkeypatch.setattr(backend, "record", record)
+    return closed, closers
+
+
+def test_a_write_records_a_consumers_read_while_another_thread_closes_its_stream(
+    sim_backend: cs.Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer records the consumer's read on ``c`` while the consumer's thread
+    closes ``c``: the close waits, and the write goes on. The read used to stop
+    listening for the close before its record, so the close destroyed ``c``
+    under it: the write raised, and every later write raised "this Stream is
+    closed" (found by an unsynchronized four-thread stress)."""
+    t = cs.track(sim.asarray(np.zeros(8)))
+    c, w = cs.Stream(), cs.Stream()
+    t.export(c)  # the consumer's read on c, recorded when something must wait for it
+    closed, closers = _close_during_the_first_record_on(monkeypatch, sim_backend, c)
+    with t.writing(w):
+        SimOps().fill(w, t.array, 2.0)
+    monkeypatch.undo()
+    closers[0].join(10)
+    assert closed.is_set() and c.closed
+    with t.writing(w):  # and it stays usable
+        SimOps().fill(w, t.array, 3.0)
+    w.synchronize()
+    assert (t.array.to_host() == 3.0).all()
+
+
+def test_a_hold_is_recorded_while_another_thread_closes_the_consumers_stream(
+    sim_backend: cs.Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A released view's hold is recorded (by a sweep in another thread) while the
+    consumer closes its stream: the close waits, the hold is recorded, and the
+    owner is let go once it completes. The lease used to stop listening before
+    its record: the close destroyed the stream under it, and the owner was
+    kept alive for good, with a warning."""
+    p, c = cs.Stream(), cs.Stream()
+    owner = sim.empty(64)
+    owner.stream = p.handle
+    gone = weakref.ref(owner)
+    view = cs.consume_blocking(owner, stream=c)
+    del owner, view
+    gc.collect()
+    closed, closers = _close_during_the_first_record_on(monkeypatch, sim_backend, c)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cs.CudaWarning)
+        sweeper = threading.Thread(target=table.sweep)
+        sweeper.start()
+        sweeper.join(10)
+    monkeypatch.undo()
+    assert closers, "the sweep recorded no hold on the consumer's stream"
+    closers[0].join(10)
+    assert closed.is_set() and c.closed
+    p.synchronize()
+    deadline = time.monotonic() + 5
+    while gone() is not None and time.monotonic() < deadline:
+        cs.stats()  # lets go of what completed: the holds, and the join's keepalive
+        gc.collect()
+        time.sleep(0.001)
+    assert gone() is None, "the owner was kept alive"
 
 
 # -- 3. concurrent consumers pin and unpin every event --------------------------------------
