@@ -412,8 +412,14 @@ def _keep_owner(h: _Handoff) -> ViewLease | None:
 
 
 async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
-    """Begin every handoff, then wait for them all on the host, yielding."""
+    """Begin every handoff, then wait for them all on the host, yielding.
+
+    The cancellation point comes first: a handoff onto a stream returns as
+    soon as it has begun, with no await in between, so the consumer enqueues
+    its reads before another task can write the buffer (a write in between
+    would be ordered after none of them)."""
     deadline = None if timeout is None else anyio.current_time() + timeout
+    await anyio.lowlevel.checkpoint()
     begun: list[_Handoff] = []
     complete = False
     try:
@@ -426,8 +432,6 @@ async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
         if events:
             left = None if deadline is None else max(0.0, deadline - anyio.current_time())
             await wait_for_events(handoffs[0].sched.backend, events, timeout=left)
-        else:
-            await anyio.lowlevel.checkpoint()
         complete = True
     finally:
         for h in begun:
@@ -468,7 +472,10 @@ async def consume(
     collected. A producer not on a CUDA device raises
     :class:`~cai_streams.InterfaceError`.
 
-    Always a cancellation point. ``timeout`` (seconds) bounds everything and
+    Always a cancellation point, before the handoff: with ``stream=s`` the call
+    returns as soon as ``s`` is ordered, with no await in between, so no other
+    task can write the array before the reads you enqueue next. ``timeout``
+    (seconds) bounds everything and
     raises :class:`TimeoutError`; ``timeout=0`` takes data that is ready now.
     Cancelled or timed out, nothing leaks: each event goes back to the pool
     when its work completes, and the owner lives until then. A failed kernel

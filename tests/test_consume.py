@@ -287,7 +287,9 @@ async def test_cancelled_waiters_leak_nothing_and_keep_owners_alive(ops: DeviceO
                 scopes.append(scope)
                 tg.start_soon(consumer, p, scope)
             del p
-            await anyio.sleep(0.02)
+            with anyio.fail_after(10):  # every consume made its handoff (an event each)
+                while cs.stats()["events_in_flight"] < base + n:  # noqa: ASYNC110 - a counter
+                    await anyio.sleep(0.001)
             for scope in scopes[::2]:
                 scope.cancel()
             await anyio.sleep(0.02)

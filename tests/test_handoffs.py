@@ -644,6 +644,89 @@ async def test_a_task_waits_for_another_tasks_block_held_across_an_await(
     assert order == ["entered", "left", "consumed"]
 
 
+async def _a_write_races_the_consumers_handoff(
+    ops: DeviceOps, *, await_before_reading: bool
+) -> tuple[bool, np.ndarray[Any, Any]]:
+    """Task A hands a tracked buffer (1.0) to its stream ``s`` and copies it
+    out there; task B, already waiting, refills it with 3.0 on ``w``, whose
+    kernels a latch holds. B is woken as A calls ``consume``, or (with
+    ``await_before_reading``) once it returned, A then awaiting before its
+    copy. Returns whether B's write was made when A enqueued its copy, and
+    what the copy read."""
+    p, s, w = cs.Stream(), cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(64, "float32"))
+    out = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    with t.writing(p):
+        ops.fill(p, arr, 1.0)
+    b_waits, go = anyio.Event(), anyio.Event()
+    b_wrote: list[bool] = []
+    wrote: list[bool] = []
+    named: list[cs.HazardError] = []
+    latch = ops.latch(w)
+
+    async def consumer() -> None:
+        await b_waits.wait()
+        if not await_before_reading:
+            go.set()
+        view = await cs.consume(t, stream=s)
+        if await_before_reading:
+            go.set()
+            await anyio.sleep(0.01)
+        wrote.append(bool(b_wrote))
+        try:
+            ops.copy(s, out, view.with_stream(None))
+        except cs.HazardError as exc:  # raised below, not in a task group's group
+            named.append(exc)
+            return
+        if await_before_reading:  # unordered with the held write: it reads now
+            s.synchronize()
+
+    async def writer() -> None:
+        b_waits.set()
+        await go.wait()
+        with t.writing(w):
+            ops.fill(w, arr, 3.0)
+        b_wrote.append(True)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consumer)
+            tg.start_soon(writer)
+    finally:
+        latch.release()
+        for stream in (s, w):
+            stream.synchronize()
+    if named:
+        raise named[0]
+    return wrote[0], ops.to_host(out)
+
+
+async def test_a_write_in_another_task_never_lands_between_a_handoff_and_its_reads(
+    ops: DeviceOps,
+) -> None:
+    """``await consume(t, stream=s)`` returns as soon as its handoff is made: its
+    cancellation point comes before. A task's write that got in during the
+    call came before the handoff, and ``s`` waits for it (A reads 3.0); one
+    that comes later waits for the reads A enqueued at once (A reads 1.0).
+    The consume used to make its handoff and then yield: the write got in
+    between, was ordered after no read of A's, and A read the stale 1.0."""
+    wrote, seen = await _a_write_races_the_consumers_handoff(ops, await_before_reading=False)
+    assert (seen == (3.0 if wrote else 1.0)).all(), (wrote, seen[:4])
+
+
+async def test_a_consumer_that_awaits_before_reading_is_not_protected(ops: DeviceOps) -> None:
+    """The control: a consumer that yields between the handoff and its reads lets
+    the write in before them, unordered (docs: enqueue your reads right after
+    the handoff, or inside ``consuming()``): the read misses it, and the
+    sanitizer names the pair."""
+    with cs.sanitize(False):
+        wrote, seen = await _a_write_races_the_consumers_handoff(ops, await_before_reading=True)
+    assert wrote and (seen == 1.0).all(), (wrote, seen[:4])
+    with pytest.raises(cs.HazardError, match="kernel 'copy'"):
+        await _a_write_races_the_consumers_handoff(ops, await_before_reading=True)
+
+
 # -- 8. timeout=0 takes data that is ready ---------------------------------------------------
 
 
