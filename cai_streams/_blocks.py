@@ -50,7 +50,7 @@ class OpenBlock:
     enqueued so far (an event recorded on its stream now).
     """
 
-    __slots__ = ("covered", "disjoint", "done", "group", "key", "kind", "owner", "stream")
+    __slots__ = ("covered", "disjoint", "done", "group", "key", "kind", "name", "owner", "stream")
 
     def __init__(
         self,
@@ -61,7 +61,9 @@ class OpenBlock:
         owner: Owner,
         covered: list[Access],
         group: int,
+        name: str = "writing()/reading()",
     ) -> None:
+        self.name = name  # what opened it, for the messages
         self.kind = kind
         self.disjoint = disjoint
         self.group = group
@@ -87,15 +89,19 @@ def wait_block_sync(block: OpenBlock, me: Owner, deadline: float, what: str) -> 
     """Block the calling thread until ``block`` ends (at most until ``deadline``,
     ``time.monotonic()`` seconds)."""
     if block.owner[0] == me[0]:
+        fix = (
+            "Let the consuming() body end before it awaits, or write once it ended"
+            if block.name == "consuming()"
+            else "Close the block before awaiting, or use `await cs.consume()`"
+        )
         raise RuntimeError(
             f"{what} of an array while another task of this thread holds a "
-            "writing()/reading() block of it across an await: waiting here would never "
-            "end. Close the block before awaiting, or use `await cs.consume()`"
+            f"{block.name} block of it across an await: waiting here would never end. {fix}"
         )
     left = deadline - time.monotonic()
     if left <= 0 or not block.done.wait(left):
         raise TimeoutError(
-            f"{what}: another thread's writing()/reading() block of this array did not end in time"
+            f"{what}: another thread's {block.name} block of this array did not end in time"
         )
 
 

@@ -60,7 +60,7 @@ import anyio.lowlevel
 from . import _capture_guard, _observe
 from ._access import Access
 from ._backend import Backend, current_backend
-from ._blocks import Blocked, Owner, current_owner, wait_block_async, wait_block_sync
+from ._blocks import Blocked, OpenBlock, Owner, current_owner, wait_block_async, wait_block_sync
 from ._config import settings
 from ._dlpack_import import (
     Protocol,
@@ -145,6 +145,8 @@ class _Handoff:
         self.view = view
         self.stream = stream
         self.events: list[tuple[int, Mark | None]] = []
+        #: a ``consuming()`` body: a tracked array's other owners wait to write
+        self.blocking = False
 
     def begin(self, me: Owner) -> Blocked | None:
         return None
@@ -216,17 +218,32 @@ class _TrackedHost(_Tracked):
 class _TrackedEnqueue(_Tracked):
     mode = Mode.TRACKED_ENQUEUE
     to_stream = True
+    #: the read block a ``consuming()`` body holds (see ``blocking``)
+    block: OpenBlock | None = None
 
     def begin(self, me: Owner) -> Blocked | None:
         assert self.stream is not None
-        got = self.work.try_read_on(self.stream, me)
-        if got is None:
-            self.view = self.view.with_stream(self.stream.handle)
-        return got
+        got = self.work.try_read_on(self.stream, me, block=self.blocking)
+        if isinstance(got, Blocked):
+            return got
+        self.block = got
+        self.view = self.view.with_stream(self.stream.handle)
+        return None
+
+    def finish(self, *, complete: bool) -> None:
+        if not complete:  # the consume failed: the body never runs
+            self._end_block()
 
     def back_edge(self) -> None:
         assert self.stream is not None
-        self.work.read_done_on(self.stream)
+        block, self.block = self.block, None
+        self.work.read_done_on(self.stream, block)
+
+    def _end_block(self) -> None:
+        block, self.block = self.block, None
+        if block is not None:
+            assert self.stream is not None
+            self.work.read_done_on(self.stream, block)
 
 
 class _TrackedOptOut(_Tracked):
@@ -562,12 +579,21 @@ async def consuming(
     producer cannot overwrite the buffer while the consumer still reads it:
     the spec's rule. Exiting only enqueues GPU work. With ``stream=None`` the
     consumer's reads were on the host and nothing is needed.
+
+    For a tracked array and ``stream=s``, the body is also a read block, as
+    ``t.reading(s)`` is: what it enqueues on ``s`` counts as read wherever it
+    comes, after an await too, and another thread's ``writing()`` of the
+    array waits (bounded) until the body ends. Another task of this thread
+    cannot wait without blocking the event loop: its ``writing()`` raises
+    RuntimeError while the body is suspended at an await.
     """
     check_timeout(timeout)
     (handoff,) = _handoffs([obj], stream, sync, protocol)
+    handoff.blocking = True
     await _run([handoff], timeout)
-    lease = _keep_owner(handoff)
+    lease: ViewLease | None = None
     try:
+        lease = _keep_owner(handoff)
         yield handoff.view
     finally:
         handoff.back_edge()

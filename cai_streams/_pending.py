@@ -360,9 +360,13 @@ class PendingWork:
             self._declare_stream_read(x, "export(): the consumer's read")
             return x.handle if pending else None
 
-    def try_read_on(self, s: Stream, me: Owner) -> Blocked | None:
+    def try_read_on(
+        self, s: Stream, me: Owner, *, block: bool = False
+    ) -> Blocked | OpenBlock | None:
         """``s`` waits for the pending writes; what it enqueues from now on
-        reads the buffer (a consumer read). Only enqueues."""
+        reads the buffer (a consumer read). Only enqueues. ``block``: also
+        open a read block for ``me`` (a ``consuming()`` body), which another
+        owner's write waits for; end it with :meth:`read_done_on`."""
         own = self.own_stream()
         with self._locked():
             blocked = self.blocker(Kind.READ, False, me)
@@ -374,13 +378,23 @@ class PendingWork:
             self.order_after(s, key, list(self.writes), join=False, what="consume(stream=s)")
             self._consumer_read(s, key)
             self._declare_stream_read(s, "consume(stream=...): the consumer's read")
-            return None
+            if not block:
+                return None
+            opened = OpenBlock(Kind.READ, False, s, key, me, [], self.group, "consuming()")
+            self.blocks.append(opened)
+            return opened
 
-    def read_done_on(self, s: Stream) -> None:
-        """The consumer's work on ``s`` so far reads the buffer (the back-edge)."""
+    def read_done_on(self, s: Stream, block: OpenBlock | None = None) -> None:
+        """The consumer's work on ``s`` so far reads the buffer (the back-edge);
+        ``block``, from :meth:`try_read_on`, ends."""
         with self._locked():
-            if not s.closed:  # closing it recorded its lazy read already
-                self._add(Access.recorded(self, Kind.READ, s, s._key()))
+            try:
+                if not s.closed:  # closing it recorded its lazy read already
+                    self._add(Access.recorded(self, Kind.READ, s, s._key()))
+            finally:
+                if block is not None:
+                    self.blocks.remove(block)
+                    block.done.set()
 
     def try_pin_writes(self, me: Owner) -> Blocked | list[Access]:
         """The pending writes, pinned, for a host wait (unpin with :meth:`unpin_writes`)."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import numpy as np
 import pytest
 
@@ -725,6 +726,118 @@ async def test_a_consumer_that_awaits_before_reading_is_not_protected(ops: Devic
     assert wrote and (seen == 1.0).all(), (wrote, seen[:4])
     with pytest.raises(cs.HazardError, match="kernel 'copy'"):
         await _a_write_races_the_consumers_handoff(ops, await_before_reading=True)
+
+
+async def _a_thread_writes_while_the_consumer_awaits(
+    ops: DeviceOps, *, how: str
+) -> tuple[bool, np.ndarray[Any, Any]]:
+    """Task A takes a tracked buffer (1.0) onto ``s`` (``consuming()`` or a plain
+    ``consume``), awaits while a thread refills it with 3.0 on ``w``, then
+    copies it out on ``s`` behind a latch. Returns whether the refill waited
+    for the held copy, and what the copy read."""
+    p, s, w = cs.Stream(), cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(64, "float32"))
+    out = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    with t.writing(p):
+        ops.fill(p, arr, 1.0)
+    handed, refilled = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        if handed.wait(10):
+            with t.writing(w):
+                ops.fill(w, arr, 3.0)
+            refilled.set()
+
+    th = threading.Thread(target=writer)
+    th.start()
+    try:
+        if how == "consuming":
+            async with cs.consuming(t, stream=s) as view:
+                handed.set()
+                await anyio.sleep(0.05)  # the thread tries to write now
+                assert not refilled.is_set(), "the write did not wait for the block"
+                ops.latch(s)
+                ops.copy(s, out, view.with_stream(None))
+        else:
+            view = await cs.consume(t, stream=s)
+            handed.set()
+            await anyio.to_thread.run_sync(refilled.wait, 10)
+            ops.latch(s)
+            ops.copy(s, out, view.with_stream(None))
+        th.join(10)
+        held = _held(w)
+    finally:
+        handed.set()
+        ops.release_all()
+        th.join(10)
+        for stream in (s, w):
+            stream.synchronize()
+    return held, ops.to_host(out)
+
+
+async def test_a_consuming_body_holds_off_another_threads_write(ops: DeviceOps) -> None:
+    """``consuming()`` is a read block: another thread's ``writing()`` waits for
+    the body to end, then for the reads it enqueued, wherever they came in the
+    body (after an await here)."""
+    held, seen = await _a_thread_writes_while_the_consumer_awaits(ops, how="consuming")
+    assert held, "the refill did not wait for the consumer's held copy"
+    assert (seen == 1.0).all(), seen[:4]
+
+
+async def test_a_plain_consume_then_an_await_lets_the_write_in(ops: DeviceOps) -> None:
+    """The control: after a plain ``consume`` the reads count only as they are
+    enqueued; the write that comes first is ordered after none of them and
+    overtakes the held copy, and the sanitizer names the pair."""
+    with cs.sanitize(False):
+        held, seen = await _a_thread_writes_while_the_consumer_awaits(ops, how="consume")
+    assert not held and (seen == 3.0).all(), (held, seen[:4])
+    with pytest.raises(cs.HazardError, match="kernel 'copy'"):
+        await _a_thread_writes_while_the_consumer_awaits(ops, how="consume")
+
+
+async def test_a_task_that_would_block_the_loop_on_a_consuming_body_refuses(
+    sim_backend: cs.Backend,
+) -> None:
+    """Two tasks of one loop: a ``writing()`` (synchronous) cannot wait for the
+    other task's ``consuming()`` body without blocking the loop it runs in, so it
+    raises; a host ``consume`` (a read) goes ahead, and the write once the body
+    ended waits for the body's reads."""
+    ops = SimOps()
+    t = cs.track(sim.asarray(np.ones(16)))
+    s, w = cs.Stream(), cs.Stream()
+    out = sim.empty(16, "float64")
+    latch = ops.latch(s)
+    order: list[str] = []
+
+    async def reader() -> None:
+        async with cs.consuming(t, stream=s) as view:
+            order.append("entered")
+            await anyio.sleep(0.05)
+            ops.copy(s, out, view.with_stream(None))
+        order.append("left")
+
+    async def writer() -> None:
+        await anyio.sleep(0.01)
+        with pytest.raises(RuntimeError, match="another task of this thread"):
+            with t.writing(w):
+                pass
+        await cs.consume(t, timeout=5)
+        order.append("consumed")
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            tg.start_soon(writer)
+        with t.writing(w):
+            ops.fill(w, t.array, 2.0)
+        assert _held(w)
+    finally:
+        latch.release()
+    w.synchronize()
+    s.synchronize()
+    assert order == ["entered", "consumed", "left"]
+    assert (out.to_host() == 1.0).all()
 
 
 # -- 8. timeout=0 takes data that is ready ---------------------------------------------------
