@@ -316,7 +316,10 @@ class _State:
         else may still run, and a new owner not ordered after it is told that
         the block was reused too early."""
         known: Clock = {}
-        actor = None if _device_thread() else self.serials.get(thread_serial())
+        actor = None
+        thread = _sanitizer_threads.registered()  # (None: a hook run in a starting thread)
+        if thread is not None and not thread.name.startswith(_WORKER_PREFIX):
+            actor = self.serials.get(thread_serial())
         if actor is not None:  # (read only: this may run inside a change of the state)
             known = dict(self.clocks.get(actor, {}))
             join(known, self.library.get(actor, {}))
