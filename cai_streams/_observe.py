@@ -38,6 +38,7 @@ __all__ = [
     "Scope",
     "acquired",
     "add",
+    "hold_released",
     "host_access",
     "released",
     "remove",
@@ -133,6 +134,10 @@ class Observer:
     def freed(self, lo: int, hi: int) -> None:
         """Simulated device memory ``[lo, hi)`` went back to its pool."""
 
+    def hold_released(self, backend: Backend, event: int, ranges: list[tuple[int, int]]) -> None:
+        """The library saw a hold's ``event`` complete and lets go of its owner,
+        whose memory is ``ranges``: that memory is freed after this."""
+
 
 _lock = threading.RLock()
 _observers: tuple[Observer, ...] = ()
@@ -191,6 +196,14 @@ def acquired(scope: object) -> None:
 def released(scope: object) -> None:
     for o in _observers:
         o.scope_left(scope)
+
+
+def hold_released(backend: Backend, event: int, ranges: Iterable[tuple[int, int]]) -> None:
+    """The calling thread saw a hold's ``event`` complete and lets go of its
+    owner now (see :meth:`Observer.hold_released`)."""
+    ranges = list(ranges)
+    for o in _observers:
+        o.hold_released(backend, event, ranges)
 
 
 def stream_ordered(backend: Backend, stream: int) -> None:

@@ -51,6 +51,9 @@ another library enqueues without declaring it is invisible. Memory freed to
 the simulator's caching pool keeps the accesses the freeing thread did not know
 complete, marked freed: a new owner of the block that is not ordered after
 one of them is told the block was reused while that work could still run.
+The library's hold of an owner, let go once its event is seen complete,
+vouches for the accesses to the owner's memory before that event (``held``):
+the memory is freed after the hold let go, whichever thread frees it.
 Work declared on a capturing stream (or on a stream that joined its capture)
 is checked each time the graph is replayed, as work of the stream it is
 launched on; the order of the nodes inside one graph is not checked.
@@ -325,11 +328,34 @@ class _State:
             join(known, self.library.get(actor, {}))
 
         def keep(a: Access) -> Access | None:
-            if known.get(a.actor, 0) >= a.tick:
+            if a.held or known.get(a.actor, 0) >= a.tick:
                 return None
             return a if a.freed else dataclasses.replace(a, freed=True)
 
         self.lock.run_or_defer(lambda: self.shadows.keep(lo, hi, keep))
+
+    def hold_released(self, backend: Backend, event: int, ranges: list[tuple[int, int]]) -> None:
+        """The library lets go of a hold's owner, having seen ``event`` complete.
+        The owner kept its memory (``ranges``) alive until now, so that memory
+        is freed after this, in whatever thread its last reference goes (the
+        reference count orders the two): the accesses to it that the event's
+        record was ordered after are done by then. Only frees count on it; the
+        program's own accesses are checked as before."""
+        captured = self.events.get((backend, event))  # (read only: may run inside a change)
+        if captured is None:  # recorded while the sanitizer was off
+            return
+        done = dict(captured)
+
+        def vouch(a: Access) -> Access:
+            if a.held or a.freed or done.get(a.actor, 0) < a.tick:
+                return a
+            return dataclasses.replace(a, held=True)
+
+        def mark() -> None:
+            for lo, hi in ranges:
+                self.shadows.keep(lo, hi, vouch)
+
+        self.lock.run_or_defer(mark)
 
     def access(self, actor: Actor, clock: Clock, items: Iterable[tuple[str, int, int]],
                what: str, site: str, *, also: Clock | None = None) -> None:  # fmt: skip
@@ -632,6 +658,9 @@ class _Watcher(Observer):
 
     def freed(self, lo: int, hi: int) -> None:
         _state.freed(lo, hi)
+
+    def hold_released(self, backend: Backend, event: int, ranges: list[tuple[int, int]]) -> None:
+        _state.hold_released(backend, event, ranges)
 
     def capture_began(self, backend: Backend, stream: int) -> None:
         with _state.lock:
