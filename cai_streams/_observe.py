@@ -2,7 +2,8 @@
 
 Two kinds of news come through it. What the library declares: the byte
 ranges each operation reads and writes (:func:`stream_access`,
-:func:`host_access`) and the buffer it works for (:class:`Scope`); a
+:func:`host_access`), the buffer it works for (:class:`Scope`) and the held
+owners it lets go once their work is done (:func:`hold_released`); a
 declaration site tests :data:`active` first, so it costs nothing while nobody
 observes. And what the device is told: while at least one :class:`Observer`
 is registered, every backend carries

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,6 +38,7 @@ def reused_under(kernel: str) -> str:
 def _sim() -> Iterator[None]:
     cs.use_backend("sim")
     gc.collect()  # nothing else of this size class is freed in between
+    _until(lambda: _holds() == 0)  # the holds counted below are this test's
     yield
 
 
@@ -57,8 +59,10 @@ def _until(done: Callable[[], bool]) -> None:
         time.sleep(0.0005)
 
 
-def _released() -> int:
-    return int(cs.stats()["holds_released"])
+def _holds() -> int:
+    """Holds in flight (``stats()`` first records released views' holds and
+    lets go of those complete)."""
+    return int(cs.stats()["holds"])
 
 
 def _elsewhere(step: Callable[[], None]) -> None:
@@ -90,8 +94,7 @@ def _two_streams(second: str) -> tuple[float, float, bool, bool]:
     gate = threading.Event()
     out1, out2 = sim.empty(N, "float32"), sim.empty(N, "float32")
     owner = sim.asarray(np.full(N, 1.0, np.float32))
-    ptr = owner.ptr
-    start = _released()
+    ptr, ref = owner.ptr, weakref.ref(owner)
     v1 = cs.consume_blocking(owner, stream=s1)
     sim.launch(s1, _copy, out1, v1, reads=[v1], writes=[out1], name="read on s1")
     v2: object = owner
@@ -101,11 +104,14 @@ def _two_streams(second: str) -> tuple[float, float, bool, bool]:
     sim.launch(s2, _copy, out2, v2, reads=[v2], writes=[out2], name="read on s2")
     del v1, v2, owner
     try:
-        _elsewhere(lambda: _until(lambda: _released() > start))  # s1's hold, there
+        if second == "view":  # s1's hold is released there; s2's is gated
+            _elsewhere(lambda: _until(lambda: _holds() == 1))
+        else:  # s1's hold is released there, and the owner freed
+            _elsewhere(lambda: _until(lambda: ref() is None))
         while_gated = sim.asarray(np.full(N, 3.0, np.float32))  # kept: not freed again
         if second == "view":  # s2's hold keeps the owner: it is released (and freed) here
             gate.set()
-            _until(lambda: _released() > start + 1)
+            _until(lambda: ref() is None)
         after = sim.asarray(np.full(N, 2.0, np.float32))
     finally:
         gate.set()
@@ -151,13 +157,12 @@ def test_an_owner_dropped_after_another_thread_released_its_hold_is_freed_after_
     owner = sim.asarray(np.full(N, 1.0, np.float32))
     ptr = owner.ptr
     part = owner[: N // 2]
-    start = _released()
     sim.launch(s, lambda: gate.wait(WAIT), name="gate")
     sim.launch(s, _copy, out, part, reads=[part], writes=[out], name="reader")
     if held != "nothing":
         cs.hold(owner if held == "owner" else part, until=s)
         gate.set()
-        _elsewhere(lambda: _until(lambda: _released() > start))
+        _elsewhere(lambda: _until(lambda: _holds() == 0))
     del part
     gc.collect()
     try:
@@ -184,10 +189,9 @@ def test_a_released_hold_orders_only_frees_not_the_host() -> None:
     owner = sim.asarray(np.full(N, 1.0, np.float32))
     out = sim.empty(N, "float32")
     keep = owner  # the program's own reference: the hold's release frees nothing
-    start = _released()
     sim.launch(s, _copy, out, owner, reads=[owner], writes=[out], name="reader")
     cs.hold(owner, until=s)
-    _elsewhere(lambda: _until(lambda: _released() > start))
+    _elsewhere(lambda: _until(lambda: _holds() == 0))
     assert any(a.held for seg in _sanitizer._state.shadows for a in seg.accesses())
     with pytest.raises(cs.HazardError, match="reader"):
         sim.launch(cs.Stream(), _fill, keep, writes=[keep], name="overwrite")
