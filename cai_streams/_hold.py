@@ -83,7 +83,7 @@ class _OnDevice:
             self._backend.set_device(self._previous)
 
 
-def view_ranges(view: ArrayView) -> Ranges:
+def _view_ranges(view: ArrayView) -> Ranges:
     """The memory ``view`` touches, for the sanitizer: a released hold vouches
     that the work before it on that memory is done before the memory is freed.
     Empty while nobody observes (it costs nothing then)."""
@@ -92,8 +92,8 @@ def view_ranges(view: ArrayView) -> Ranges:
     return (byte_range(view),)
 
 
-def owner_ranges(owner: object) -> Ranges:
-    """:func:`view_ranges` of what ``owner`` exposes: a tracked array's wrapped
+def _owner_ranges(owner: object) -> Ranges:
+    """:func:`_view_ranges` of what ``owner`` exposes: a tracked array's wrapped
     array (not exported), a view, or what its CUDA Array Interface says;
     empty when there is none to read (a DLPack-only producer, any object)."""
     if not _observe.active:
@@ -103,7 +103,7 @@ def owner_ranges(owner: object) -> Ranges:
         view = parse(owner if inner is None else inner)
     except Exception:  # noqa: BLE001 - no interface: nothing to vouch for
         return ()
-    return view_ranges(view)
+    return _view_ranges(view)
 
 
 def _record_hold(
@@ -154,7 +154,7 @@ def hold(owner: object, *, until: object) -> None:
             "as the graph, or call hold(owner, until=stream) after the graph's "
             "launch on the stream it was launched on."
         )
-    _record_hold(s._key(), owner, nbytes_of(owner), stacklevel=2, ranges=owner_ranges(owner))
+    _record_hold(s._key(), owner, nbytes_of(owner), stacklevel=2, ranges=_owner_ranges(owner))
 
 
 class LeaseState(enum.Enum):
@@ -213,7 +213,7 @@ class ViewLease(weakref.ref[ArrayView]):
         self.owner: object = view.owner
         self.nbytes = view.nbytes
         #: the memory of its view and of the views merged into it (see _merge)
-        self.ranges: Ranges = view_ranges(view) if _observe.active else ()
+        self.ranges: Ranges = _view_ranges(view) if _observe.active else ()
         self.state = LeaseState.IN_USE
         self._bucket = (self.key, id(view.owner))
 
@@ -348,4 +348,4 @@ def view_done(view: ArrayView, stream: Stream, lease: ViewLease | None) -> None:
     elif view.owner is not None and not stream.closed:
         key = stream._key()
         if not stream.backend.is_capturing(key.handle):
-            _record_hold(key, view.owner, view.nbytes, stacklevel=3, ranges=view_ranges(view))
+            _record_hold(key, view.owner, view.nbytes, stacklevel=3, ranges=_view_ranges(view))

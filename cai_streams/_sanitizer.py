@@ -315,9 +315,10 @@ class _State:
     def freed(self, lo: int, hi: int) -> None:
         """Memory went back to the caching pool. What the freeing thread knows
         complete (its own synchronization, or a library query, as when the
-        library held the owner until its work was done) is forgotten; anything
-        else may still run, and a new owner not ordered after it is told that
-        the block was reused too early."""
+        library held the owner until its work was done) and what a released
+        hold vouched for (:meth:`hold_released`, in any thread) is forgotten;
+        anything else may still run, and a new owner not ordered after it is
+        told that the block was reused too early."""
         known: Clock = {}
         actor = None
         thread = _sanitizer_threads.registered()  # (None: a hook run in a starting thread)
