@@ -38,12 +38,13 @@ import threading
 import warnings
 import weakref
 
+from . import _observe
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
 from ._events import pool_for, record
-from ._hold_table import Hold, table, tick
+from ._hold_table import Hold, Ranges, table, tick
 from ._identity import Lifetime, StreamId, thread_serial
-from ._interface import ArrayView
+from ._interface import ArrayView, byte_range, parse
 from ._stream import Stream, as_stream
 
 __all__ = ["LeaseState", "ViewLease", "hold", "hold_view_owner", "view_done"]
@@ -82,9 +83,34 @@ class _OnDevice:
             self._backend.set_device(self._previous)
 
 
-def _record_hold(key: StreamId, owner: object, nbytes: int, *, stacklevel: int) -> None:
+def _view_ranges(view: ArrayView) -> Ranges:
+    """The memory ``view`` touches, for the sanitizer: a released hold vouches
+    that the work before it on that memory is done before the memory is freed.
+    Empty while nobody observes (it costs nothing then)."""
+    if not _observe.active or not view.nbytes:
+        return ()
+    return (byte_range(view),)
+
+
+def _owner_ranges(owner: object) -> Ranges:
+    """:func:`_view_ranges` of what ``owner`` exposes: a tracked array's wrapped
+    array (not exported), a view, or what its CUDA Array Interface says;
+    empty when there is none to read (a DLPack-only producer, any object)."""
+    if not _observe.active:
+        return ()
+    inner = getattr(owner, "_cai_streams_array", None)
+    try:
+        view = parse(owner if inner is None else inner)
+    except Exception:  # noqa: BLE001 - no interface: nothing to vouch for
+        return ()
+    return _view_ranges(view)
+
+
+def _record_hold(
+    key: StreamId, owner: object, nbytes: int, *, stacklevel: int, ranges: Ranges = ()
+) -> None:
     """Record one pooled event on ``key`` (the calling thread's for handle 2)
-    and keep ``owner`` until it completes. Only enqueues."""
+    and keep ``owner`` (its memory: ``ranges``) until it completes. Only enqueues."""
     pool = pool_for(key.backend, key.device)
     event = pool.acquire()  # its queries run in the relaxed capture mode
     try:
@@ -93,7 +119,7 @@ def _record_hold(key: StreamId, owner: object, nbytes: int, *, stacklevel: int) 
     except BaseException:
         pool.release(event)
         raise
-    table.add(Hold(pool, event, mark, owner, nbytes), stacklevel=stacklevel + 1)
+    table.add(Hold(pool, event, mark, owner, nbytes, ranges), stacklevel=stacklevel + 1)
 
 
 def hold(owner: object, *, until: object) -> None:
@@ -128,7 +154,7 @@ def hold(owner: object, *, until: object) -> None:
             "as the graph, or call hold(owner, until=stream) after the graph's "
             "launch on the stream it was launched on."
         )
-    _record_hold(s._key(), owner, nbytes_of(owner), stacklevel=2)
+    _record_hold(s._key(), owner, nbytes_of(owner), stacklevel=2, ranges=_owner_ranges(owner))
 
 
 class LeaseState(enum.Enum):
@@ -168,6 +194,7 @@ class ViewLease(weakref.ref[ArrayView]):
         "lifetime",
         "nbytes",
         "owner",
+        "ranges",
         "state",
         "stream",
     )
@@ -185,6 +212,8 @@ class ViewLease(weakref.ref[ArrayView]):
         self.keepalive: object = stream._keepalive
         self.owner: object = view.owner
         self.nbytes = view.nbytes
+        #: the memory of its view and of the views merged into it (see _merge)
+        self.ranges: Ranges = _view_ranges(view) if _observe.active else ()
         self.state = LeaseState.IN_USE
         self._bucket = (self.key, id(view.owner))
 
@@ -212,7 +241,7 @@ class ViewLease(weakref.ref[ArrayView]):
             # It still listens: the stream's owner closing it in another thread
             # waits for this lease's lock before destroying it.
             self._end(LeaseState.HELD, forget=False)
-            _record_hold(on, owner, self.nbytes, stacklevel=4)
+            _record_hold(on, owner, self.nbytes, stacklevel=4, ranges=self.ranges)
         except KernelError:  # the device faulted: work after the fault never runs
             self._end(LeaseState.DROPPED, forget=False)
         except CudaError as exc:  # the stream is gone: its work may still run
@@ -241,6 +270,9 @@ class ViewLease(weakref.ref[ArrayView]):
             if bucket is None or len(bucket) < 2:
                 return False
             self._leave(bucket)
+            if self.ranges:  # whichever of them records vouches for this view's memory too
+                for other in bucket.values():  # (one range each, as a rule: no growth)
+                    other.ranges += tuple(r for r in self.ranges if r not in other.ranges)
             table.merged += 1  # under the lock: the one place that counts it
         self._end(LeaseState.MERGED, indexed=False)
         return True
@@ -322,4 +354,4 @@ def view_done(view: ArrayView, stream: Stream, lease: ViewLease | None) -> None:
     elif view.owner is not None and not stream.closed:
         key = stream._key()
         if not stream.backend.is_capturing(key.handle):
-            _record_hold(key, view.owner, view.nbytes, stacklevel=3)
+            _record_hold(key, view.owner, view.nbytes, stacklevel=3, ranges=_view_ranges(view))

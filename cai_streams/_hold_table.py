@@ -29,6 +29,7 @@ import warnings
 from collections import deque
 from typing import Protocol
 
+from . import _observe
 from ._backend import Backend, CaptureMode
 from ._config import settings
 from ._errors import CudaError, HoldWarning
@@ -36,7 +37,7 @@ from ._events import EventPool, Mark
 from ._identity import StreamId
 from ._poller import pass_hooks
 
-__all__ = ["Hold", "HoldTable", "Settles", "table", "tick"]
+__all__ = ["Hold", "HoldTable", "Ranges", "Settles", "table", "tick"]
 
 #: queries that find a hold not done, per call of :func:`tick` (the per-call
 #: bound; the queries that find holds done release them, about log2 of their number)
@@ -45,17 +46,25 @@ TICK_QUERIES = 2
 TICK_SETTLES = 4
 
 
+#: byte ranges of device memory: ``((lo, hi), ...)``
+Ranges = tuple[tuple[int, int], ...]
+
+
 class Hold:
-    """One owner kept until ``event`` (recorded at ``mark``) completes."""
+    """One owner kept until ``event`` (recorded at ``mark``) completes;
+    ``ranges``: the memory it keeps, when the sanitizer observes (else empty)."""
 
-    __slots__ = ("event", "failed", "mark", "nbytes", "owner", "pool", "since")
+    __slots__ = ("event", "failed", "mark", "nbytes", "owner", "pool", "ranges", "since")
 
-    def __init__(self, pool: EventPool, event: int, mark: Mark, owner: object, nbytes: int) -> None:
+    def __init__(
+        self, pool: EventPool, event: int, mark: Mark, owner: object, nbytes: int, ranges: Ranges
+    ) -> None:
         self.pool = pool
         self.event = event
         self.mark = mark
         self.owner = owner
         self.nbytes = nbytes
+        self.ranges = ranges
         self.since = time.monotonic()
         self.failed = False  # its query raised: the event is never reused
 
@@ -162,6 +171,9 @@ class HoldTable:
                 self.nbytes -= sum(h.nbytes for h in done)
                 self.released += len(done)
             for hold in done:  # outside the lock; the pool queries too: still relaxed
+                if hold.ranges and _observe.active and not hold.failed:
+                    # before the event is reused and the owner let go (see _complete)
+                    _observe.hold_released(hold.mark.key.backend, hold.event, hold.ranges)
                 if hold.failed:
                     hold.pool.release(hold.event)  # never reused
                 else:
@@ -199,7 +211,8 @@ class HoldTable:
         try:
             # Through the one observation channel: a library query orders
             # nothing in the program for the sanitizer, except that the owner
-            # this thread lets go now is freed after the work it saw complete.
+            # let go now is freed after the work it saw complete, in whatever
+            # thread its last reference goes (``_observe.hold_released``).
             return backend.query(hold.event)
         except CudaError:  # the work before it failed and will never run
             hold.failed = True

@@ -2,7 +2,8 @@
 
 Two kinds of news come through it. What the library declares: the byte
 ranges each operation reads and writes (:func:`stream_access`,
-:func:`host_access`) and the buffer it works for (:class:`Scope`); a
+:func:`host_access`), the buffer it works for (:class:`Scope`) and the held
+owners it lets go once their work is done (:func:`hold_released`); a
 declaration site tests :data:`active` first, so it costs nothing while nobody
 observes. And what the device is told: while at least one :class:`Observer`
 is registered, every backend carries
@@ -38,6 +39,7 @@ __all__ = [
     "Scope",
     "acquired",
     "add",
+    "hold_released",
     "host_access",
     "released",
     "remove",
@@ -133,6 +135,10 @@ class Observer:
     def freed(self, lo: int, hi: int) -> None:
         """Simulated device memory ``[lo, hi)`` went back to its pool."""
 
+    def hold_released(self, backend: Backend, event: int, ranges: list[tuple[int, int]]) -> None:
+        """The library saw a hold's ``event`` complete and lets go of its owner,
+        whose memory is ``ranges``: that memory is freed after this."""
+
 
 _lock = threading.RLock()
 _observers: tuple[Observer, ...] = ()
@@ -191,6 +197,14 @@ def acquired(scope: object) -> None:
 def released(scope: object) -> None:
     for o in _observers:
         o.scope_left(scope)
+
+
+def hold_released(backend: Backend, event: int, ranges: Iterable[tuple[int, int]]) -> None:
+    """The calling thread saw a hold's ``event`` complete and lets go of its
+    owner now (see :meth:`Observer.hold_released`)."""
+    ranges = list(ranges)
+    for o in _observers:
+        o.hold_released(backend, event, ranges)
 
 
 def stream_ordered(backend: Backend, stream: int) -> None:

@@ -51,6 +51,9 @@ another library enqueues without declaring it is invisible. Memory freed to
 the simulator's caching pool keeps the accesses the freeing thread did not know
 complete, marked freed: a new owner of the block that is not ordered after
 one of them is told the block was reused while that work could still run.
+The library's hold of an owner, let go once its event is seen complete,
+vouches for the accesses to the owner's memory before that event (``held``):
+the memory is freed after the hold let go, whichever thread frees it.
 Work declared on a capturing stream (or on a stream that joined its capture)
 is checked each time the graph is replayed, as work of the stream it is
 launched on; the order of the nodes inside one graph is not checked.
@@ -312,21 +315,48 @@ class _State:
     def freed(self, lo: int, hi: int) -> None:
         """Memory went back to the caching pool. What the freeing thread knows
         complete (its own synchronization, or a library query, as when the
-        library held the owner until its work was done) is forgotten; anything
-        else may still run, and a new owner not ordered after it is told that
-        the block was reused too early."""
+        library held the owner until its work was done) and what a released
+        hold vouched for (:meth:`hold_released`, in any thread) is forgotten;
+        anything else may still run, and a new owner not ordered after it is
+        told that the block was reused too early."""
         known: Clock = {}
-        actor = None if _device_thread() else self.serials.get(thread_serial())
+        actor = None
+        thread = _sanitizer_threads.registered()  # (None: a hook run in a starting thread)
+        if thread is not None and not thread.name.startswith(_WORKER_PREFIX):
+            actor = self.serials.get(thread_serial())
         if actor is not None:  # (read only: this may run inside a change of the state)
             known = dict(self.clocks.get(actor, {}))
             join(known, self.library.get(actor, {}))
 
         def keep(a: Access) -> Access | None:
-            if known.get(a.actor, 0) >= a.tick:
+            if a.held or known.get(a.actor, 0) >= a.tick:
                 return None
             return a if a.freed else dataclasses.replace(a, freed=True)
 
         self.lock.run_or_defer(lambda: self.shadows.keep(lo, hi, keep))
+
+    def hold_released(self, backend: Backend, event: int, ranges: list[tuple[int, int]]) -> None:
+        """The library lets go of a hold's owner, having seen ``event`` complete.
+        The owner kept its memory (``ranges``) alive until now, so that memory
+        is freed after this, in whatever thread its last reference goes (the
+        reference count orders the two): the accesses to it that the event's
+        record was ordered after are done by then. Only frees count on it; the
+        program's own accesses are checked as before."""
+        captured = self.events.get((backend, event))  # (read only: may run inside a change)
+        if captured is None:  # recorded while the sanitizer was off
+            return
+        done = dict(captured)
+
+        def vouch(a: Access) -> Access:
+            if a.held or a.freed or done.get(a.actor, 0) < a.tick:
+                return a
+            return dataclasses.replace(a, held=True)
+
+        def mark() -> None:
+            for lo, hi in ranges:
+                self.shadows.keep(lo, hi, vouch)
+
+        self.lock.run_or_defer(mark)
 
     def access(self, actor: Actor, clock: Clock, items: Iterable[tuple[str, int, int]],
                what: str, site: str, *, also: Clock | None = None) -> None:  # fmt: skip
@@ -629,6 +659,9 @@ class _Watcher(Observer):
 
     def freed(self, lo: int, hi: int) -> None:
         _state.freed(lo, hi)
+
+    def hold_released(self, backend: Backend, event: int, ranges: list[tuple[int, int]]) -> None:
+        _state.hold_released(backend, event, ranges)
 
     def capture_began(self, backend: Backend, stream: int) -> None:
         with _state.lock:

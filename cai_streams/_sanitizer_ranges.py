@@ -33,6 +33,9 @@ class Access:
     #: the memory was freed (to the caching pool) after this access, which the
     #: freeing thread was not ordered after: the work may still use the block
     freed: bool = False
+    #: a hold of the memory's owner was let go after the library saw this
+    #: access's work complete: the memory is freed after that, in any thread
+    held: bool = False
 
 
 class Segment:

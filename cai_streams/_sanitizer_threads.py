@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["Handoffs", "Token", "install", "uninstall"]
+__all__ = ["Handoffs", "Token", "install", "registered", "uninstall"]
 
 
 class Token:
@@ -51,6 +51,15 @@ class Handoffs(Protocol):
 _saved: list[tuple[Any, str, Any]] = []
 _local = threading.local()
 _registered: dict[int, threading.Thread] = threading._active  # type: ignore[attr-defined]
+
+
+def registered() -> threading.Thread | None:
+    """The calling thread, or None while it is still starting. Unlike
+    ``threading.current_thread()``, it never makes a ``_DummyThread``: one made
+    for a thread that is starting (a garbage collection in ``Thread.start``
+    runs a hook there) takes its place, and hides the real thread, with what
+    its starter handed it, from the sanitizer."""
+    return _registered.get(threading.get_ident())
 
 
 def _tell(report: Callable[[Any], None], arg: Any) -> None:

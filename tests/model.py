@@ -12,7 +12,8 @@ sees that write).
 
 A ``dropped_owner`` step gives a fresh array to a stream (``cs.hold``, a
 view from ``consume(stream=)`` or ``consuming()``, or two views on one stream,
-the first released before the second is made, which may merge their holds),
+the first released before the second is made, which may merge their holds, or
+two views on two streams, whose holds may be released by two threads),
 enqueues a read of it and drops it at once; the next allocation of its size,
 which the caching allocator may serve from its block, is written at once: the
 read must still see the dropped array's values.
@@ -294,14 +295,16 @@ class _Gen:
         if kind == "track_race":
             return Step(kind, "loop", {"b": b})
         if kind == "dropped_owner":
-            how = rng.choice(["hold", "consume", "consuming", "consume_twice"])
+            how = rng.choice(["hold", "consume", "consuming", "consume_twice", "two_streams"])
             s = self.read_stream()
-            if how in ("consume", "consume_twice") and s[0] == "int":
+            s2 = self.read_stream() if how == "two_streams" else s
+            if how in ("consume", "consume_twice", "two_streams") and "int" in (s[0], s2[0]):
                 how = "hold"  # a bare handle's view keeps its owner only while it lives
             thread = "loop" if how == "consuming" else self.any_thread()
-            return Step(
-                kind, thread, {"how": how, "s": s, "value": self.fresh(), "d": self.duration()}
-            )
+            args = {"how": how, "s": s, "value": self.fresh(), "d": self.duration()}
+            if how == "two_streams":
+                args["s2"] = s2
+            return Step(kind, thread, args)
         if kind == "readers":
             threads = rng.sample(THREADS, rng.randint(2, 4))
             return Group(
@@ -689,12 +692,13 @@ class _State:
             view = cs.consume_blocking(owner, stream=s, timeout=WAIT)
             self.launch_copy(s, out, view, a["d"])
             del view
-        if a["how"] == "consume_twice":  # the first view may be merged into this one
-            again = cs.consume_blocking(owner, stream=s, timeout=WAIT)
+        if a["how"] in ("consume_twice", "two_streams"):  # on one stream: may be merged
+            s2 = self.stream(a["s2"]) if a["how"] == "two_streams" else s
+            again = cs.consume_blocking(owner, stream=s2, timeout=WAIT)
             out2 = self.new_result()
-            self.launch_copy(s, out2, again, a["d"])
+            self.launch_copy(s2, out2, again, a["d"])
             del again
-            self.owner_dropped("dropped owner (second view)", out2, a["value"])
+            self.owner_dropped(f"dropped owner (second view, {a['how']})", out2, a["value"])
         del owner
         self.owner_dropped(f"dropped owner ({a['how']})", out, a["value"])
 

@@ -338,6 +338,28 @@ def test_a_handoff_before_the_synchronize_is_always_flagged(name: str) -> None:
     assert "kernel 'ones'" in str(info.value)
 
 
+def test_a_free_in_a_thread_not_yet_registered_leaves_it_unregistered() -> None:
+    """A garbage collection can free memory inside ``Thread.start``, in the new
+    thread before ``threading`` registers it. The free hook must not make a
+    ``_DummyThread`` there (``current_thread()`` would): registered first, the
+    dummy gives the thread an identity without what its starter handed it, so
+    its first access is checked as unordered (a race missed or made up). A
+    ``_thread`` thread is never registered: it shows the state for good."""
+    box = [zeros()]
+    registered: list[bool] = []
+    done = _thread.allocate_lock()
+    done.acquire()
+
+    def run() -> None:
+        box.clear()  # the last reference: the block is freed here
+        registered.append(threading.get_ident() in threading._active)  # type: ignore[attr-defined]
+        done.release()
+
+    _thread.start_new_thread(run, ())
+    assert done.acquire(timeout=10)
+    assert registered == [False]
+
+
 def test_an_unseen_handoff_is_named_as_a_missing_host_thread_ordering() -> None:
     """A lock made through ``_thread`` hands over after the synchronize, and the
     program does not say so: the producer thread is ordered after the write, the
