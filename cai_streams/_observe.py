@@ -118,7 +118,9 @@ class Observer:
         events: list[tuple[Backend, int]],
     ) -> None:
         """The calling host thread reads or writes these byte ranges now, after
-        ``waited`` / ``events`` when a call of the user's waited for them."""
+        ``waited`` / ``events`` when a call of the user's waited for them.
+        ``kind`` "ready": the library says the data is ready to read now (checked
+        as a read, but nobody reads it yet: not kept as one)."""
 
     def scope_entered(self, scope: object) -> None:
         """The calling thread starts working for ``scope`` (a buffer's pending work)."""

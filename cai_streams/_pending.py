@@ -349,16 +349,16 @@ class PendingWork:
                 a.key == key and not a.is_complete() for a in self.writes
             )
             self._consumer_read(x, key)
-            if not pending and _observe.active:  # stream None says "ready now, anywhere":
-                _observe.host_access(  # a read now must find every write ordered before it
-                    "read",
-                    [byte_range(self.layout)],
-                    "export() with nothing pending: stream None",
-                )
-            # the read the library protects is the consumer's on ``x``, pending or not;
-            # declared after the host read, it stands for it in a later write's check
+            if not pending:
+                if _observe.active:  # stream None says "ready now, anywhere": checked so,
+                    _observe.host_access(  # but not kept as a read; the consumer's own
+                        "ready",  # reads are declared where they are enqueued
+                        [byte_range(self.layout)],
+                        "export() with nothing pending: stream None",
+                    )
+                return None
             self._declare_stream_read(x, "export(): the consumer's read")
-            return x.handle if pending else None
+            return x.handle
 
     def try_read_on(
         self, s: Stream, me: Owner, *, block: bool = False

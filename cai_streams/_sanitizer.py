@@ -359,9 +359,11 @@ class _State:
         self.lock.run_or_defer(mark)
 
     def access(self, actor: Actor, clock: Clock, items: Iterable[tuple[str, int, int]],
-               what: str, site: str, *, also: Clock | None = None) -> None:  # fmt: skip
+               what: str, site: str, *, also: Clock | None = None,
+               record: bool = True) -> None:  # fmt: skip
         """Check, then record, one operation's accesses by ``actor`` at its next
-        tick (``also``: more the check may count as ordered before, this once)."""
+        tick (``also``: more the check may count as ordered before, this once;
+        ``record`` False: only check, as for data said to be ready now)."""
         tick = clock.get(actor, 0) + 1
         new = [Access(kind, actor, tick, lo, hi, what, site) for kind, lo, hi in items if hi > lo]
         seen = clock
@@ -378,6 +380,8 @@ class _State:
                     for r in segment.reads.values():
                         if r.actor != actor and seen.get(r.actor, 0) < r.tick:
                             raise self._hazard(r, a, seen)
+        if not record:
+            return
         clock[actor] = tick
         seen[actor] = tick
         for a in new:
@@ -580,6 +584,10 @@ class _Watcher(Observer):
                 also = {}
                 for obj in stack:
                     join(also, state.scope_clock(obj))
+            if kind == "ready":  # checked as a read now, and not kept: nobody reads yet
+                items = [("read", lo, hi) for lo, hi in ranges]
+                state.access(actor, clock, items, what, site, also=also, record=False)
+                return
             items = [(kind, lo, hi) for lo, hi in ranges]
             state.access(actor, clock, items, what, site, also=also)
 
