@@ -431,24 +431,37 @@ def _keep_owner(h: _Handoff) -> ViewLease | None:
 async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
     """Begin every handoff, then wait for them all on the host, yielding.
 
-    The cancellation point comes first: a handoff onto a stream returns as
-    soon as it has begun, with no await in between, so the consumer enqueues
-    its reads before another task can write the buffer (a write in between
-    would be ordered after none of them)."""
+    Onto a stream, the cancellation point comes first: the call returns as
+    soon as the handoffs have begun, with no await in between, so the
+    consumer enqueues its reads before another task can write the buffer (a
+    write in between would be ordered after none of them). On the host, the
+    wait that follows is the cancellation point."""
     deadline = None if timeout is None else anyio.current_time() + timeout
-    await anyio.lowlevel.checkpoint()
+    to_stream = bool(handoffs) and handoffs[0].stream is not None  # (one stream for all)
+    if to_stream:
+        await anyio.lowlevel.checkpoint()
     begun: list[_Handoff] = []
     complete = False
     try:
         me = current_owner()
-        for h in handoffs:
-            while (blocked := h.begin(me)) is not None:
-                await wait_block_async(blocked.block, deadline)
-            begun.append(h)
+        i = 0
+        while i < len(handoffs):
+            h = handoffs[i]
+            blocked = h.begin(me)
+            if blocked is None:
+                if i == len(begun):  # (begun is always a prefix of handoffs)
+                    begun.append(h)
+                i += 1
+                continue
+            await wait_block_async(blocked.block, deadline)
+            if to_stream:  # the ones begun before this await: begun again after it (a
+                i = 0  # write in between is ordered then), so none returns across an await
         events = [e for h in handoffs for e in h.events]
         if events:
             left = None if deadline is None else max(0.0, deadline - anyio.current_time())
             await wait_for_events(handoffs[0].sched.backend, events, timeout=left)
+        elif not to_stream:
+            await anyio.lowlevel.checkpoint()
         complete = True
     finally:
         for h in begun:
@@ -489,9 +502,9 @@ async def consume(
     collected. A producer not on a CUDA device raises
     :class:`~cai_streams.InterfaceError`.
 
-    Always a cancellation point, before the handoff: with ``stream=s`` the call
-    returns as soon as ``s`` is ordered, with no await in between, so no other
-    task can write the array before the reads you enqueue next. ``timeout``
+    Always a cancellation point; with ``stream=s`` it comes before the handoff,
+    and the call returns as soon as ``s`` is ordered, with no await in between,
+    so no other task can write the array before the reads you enqueue next. ``timeout``
     (seconds) bounds everything and
     raises :class:`TimeoutError`; ``timeout=0`` takes data that is ready now.
     Cancelled or timed out, nothing leaks: each event goes back to the pool

@@ -728,6 +728,57 @@ async def test_a_consumer_that_awaits_before_reading_is_not_protected(ops: Devic
         await _a_write_races_the_consumers_handoff(ops, await_before_reading=True)
 
 
+async def test_consume_all_onto_a_stream_returns_with_no_await_after_any_handoff(
+    ops: DeviceOps,
+) -> None:
+    """``consume_all(t1, t2, stream=s)`` with ``t2`` held by another thread's
+    ``writing()`` block: the call waits for it after ``t1``'s handoff, and a task
+    writes ``t1`` meanwhile. The handoffs are made again after the wait, so
+    ``s`` waits for that write and the copy enqueued next reads it (3.0). They
+    used to be kept from before the wait: the copy was ordered after nothing
+    and read the stale 1.0 while the write was held."""
+    p, s, w, w2 = cs.Stream(), cs.Stream(), cs.Stream(), cs.Stream()
+    t1 = cs.track(ops.array(np.zeros(64, "float32")))
+    t2 = cs.track(ops.array(np.zeros(64, "float32")))
+    out = ops.array(np.zeros(64, "float32"))
+    with t1.writing(p):
+        ops.fill(p, t1.array, 1.0)
+    in_block, let_go = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with t2.writing(w2):
+            in_block.set()
+            let_go.wait(10)
+
+    th = threading.Thread(target=holder)
+    th.start()
+    assert in_block.wait(10)
+    latch = ops.latch(w)
+
+    async def consumer() -> None:
+        views = await cs.consume_all(t1, t2, stream=s, timeout=10)
+        ops.copy(s, out, views[0].with_stream(None))
+
+    async def writer() -> None:
+        await anyio.sleep(0.05)  # the consumer waits for t2's block now
+        with t1.writing(w):
+            ops.fill(w, t1.array, 3.0)
+        let_go.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consumer)
+            tg.start_soon(writer)
+        assert _held(s), "s did not wait for the write made during the call"
+    finally:
+        latch.release()
+        let_go.set()
+        th.join(10)
+        for stream in (s, w, w2):
+            stream.synchronize()
+    assert (ops.to_host(out) == 3.0).all(), ops.to_host(out)[:4]
+
+
 async def _a_thread_writes_while_the_consumer_awaits(
     ops: DeviceOps, *, how: str
 ) -> tuple[bool, np.ndarray[Any, Any]]:
