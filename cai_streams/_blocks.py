@@ -100,8 +100,10 @@ def wait_block_sync(block: OpenBlock, me: Owner, deadline: float, what: str) -> 
         )
     left = deadline - time.monotonic()
     if left <= 0 or not block.done.wait(left):
-        raise TimeoutError(
-            f"{what}: another thread's {block.name} block of this array did not end in time"
+        raise TimeoutError(  # (a body that waits for this thread, by to_thread say, never ends)
+            f"{what}: another thread's {block.name} block of this array did not end in time "
+            "(if its body waits for this thread, it never will: access the array before "
+            "the block or after it)"
         )
 
 
