@@ -38,7 +38,10 @@ def current_owner() -> Owner:
         and asyncio._get_running_loop() is None
     ):
         return (ident, None)
-    return (ident, anyio.get_current_task().id)
+    try:
+        return (ident, anyio.get_current_task().id)
+    except RuntimeError:  # a callback the loop runs outside any task (loop.call_soon)
+        return (ident, None)
 
 
 class OpenBlock:

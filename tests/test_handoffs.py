@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
@@ -845,6 +846,25 @@ async def test_a_plain_consume_then_an_await_lets_the_write_in(ops: DeviceOps) -
     assert not held and (seen == 3.0).all(), (held, seen[:4])
     with pytest.raises(cs.HazardError, match="kernel 'copy'"):
         await _a_thread_writes_while_the_consumer_awaits(ops, how="consume")
+
+
+async def test_a_write_the_event_loop_runs_outside_any_task_works(
+    sim_backend: cs.Backend,
+) -> None:
+    """A ``writing()`` run by the loop itself (``anyio.from_thread.run_sync`` from a
+    worker: under asyncio a callback outside every task) used to fail inside
+    the library with anyio's "There is no task currently running"."""
+    ops = SimOps()
+    t = cs.track(sim.asarray(np.zeros(16)))
+    w = cs.Stream()
+
+    def write() -> None:
+        with t.writing(w):
+            ops.fill(w, t.array, 5.0)
+
+    await anyio.to_thread.run_sync(lambda: anyio.from_thread.run_sync(write))
+    view = await cs.consume(t, timeout=5)
+    assert (_values(view) == 5.0).all()
 
 
 async def test_a_task_that_would_block_the_loop_on_a_consuming_body_refuses(
