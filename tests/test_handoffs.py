@@ -646,6 +646,18 @@ async def test_a_task_waits_for_another_tasks_block_held_across_an_await(
     assert order == ["entered", "left", "consumed"]
 
 
+def _ones_written_on_p(ops: DeviceOps) -> tuple[cs.Stream, cs.Stream, Any, Any, cs.TrackedArray]:
+    """Streams ``s`` and ``w``, a tracked buffer whose write of 1.0 is pending
+    on a third stream, and an output buffer: (s, w, arr, out, t)."""
+    p, s, w = cs.Stream(), cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(64, "float32"))
+    out = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    with t.writing(p):
+        ops.fill(p, arr, 1.0)
+    return s, w, arr, out, t
+
+
 async def _a_write_races_the_consumers_handoff(
     ops: DeviceOps, *, await_before_reading: bool
 ) -> tuple[bool, np.ndarray[Any, Any]]:
@@ -655,12 +667,7 @@ async def _a_write_races_the_consumers_handoff(
     ``await_before_reading``) once it returned, A then awaiting before its
     copy. Returns whether B's write was made when A enqueued its copy, and
     what the copy read."""
-    p, s, w = cs.Stream(), cs.Stream(), cs.Stream()
-    arr = ops.array(np.zeros(64, "float32"))
-    out = ops.array(np.zeros(64, "float32"))
-    t = cs.track(arr)
-    with t.writing(p):
-        ops.fill(p, arr, 1.0)
+    s, w, arr, out, t = _ones_written_on_p(ops)
     b_waits, go = anyio.Event(), anyio.Event()
     b_wrote: list[bool] = []
     wrote: list[bool] = []
@@ -787,12 +794,7 @@ async def _a_thread_writes_while_the_consumer_awaits(
     ``consume``), awaits while a thread refills it with 3.0 on ``w``, then
     copies it out on ``s`` behind a latch. Returns whether the refill waited
     for the held copy, and what the copy read."""
-    p, s, w = cs.Stream(), cs.Stream(), cs.Stream()
-    arr = ops.array(np.zeros(64, "float32"))
-    out = ops.array(np.zeros(64, "float32"))
-    t = cs.track(arr)
-    with t.writing(p):
-        ops.fill(p, arr, 1.0)
+    s, w, arr, out, t = _ones_written_on_p(ops)
     handed, refilled = threading.Event(), threading.Event()
 
     def writer() -> None:
