@@ -504,9 +504,9 @@ async def consume(
 
     Always a cancellation point; with ``stream=s`` it comes before the handoff,
     and the call returns as soon as ``s`` is ordered, with no await in between,
-    so no other task can write the array before the reads you enqueue next. ``timeout``
-    (seconds) bounds everything and
-    raises :class:`TimeoutError`; ``timeout=0`` takes data that is ready now.
+    so no other task can write the array before the reads you enqueue next.
+    ``timeout`` (seconds) bounds everything and raises :class:`TimeoutError`;
+    ``timeout=0`` takes data that is ready now.
     Cancelled or timed out, nothing leaks: each event goes back to the pool
     when its work completes, and the owner lives until then. A failed kernel
     before the handoff raises :class:`~cai_streams.CudaError`.
