@@ -66,14 +66,14 @@ def _first_free_hook(hook: Callable[[int, int], None]) -> Iterator[None]:
 
 
 def _free_elsewhere_while_allocating(how: str) -> tuple[float, bool, bool]:
-    """An owner of 1s is read on a stream (gated for ``how="unheld"``); another
-    thread makes its read done for the free (``"held"``: it releases the
-    owner's hold; ``"synchronized"``: it synchronizes the stream) and drops
-    the owner's last reference. Inside the free, before the sanitizer's hook,
-    that thread stops until this one has made an array of 2s (this thread
-    never waited for the stream). Returns what the reader saw, whether the
-    array of 2s got the owner's block, and whether the next array did, made
-    after the free ended."""
+    """An owner of 1s is read on a stream (gated for ``how="unheld"``); its
+    read is done for the free (``"held"``: this thread releases the owner's
+    hold, which vouches for it; ``"synchronized"``: the freeing thread
+    synchronizes the stream), and another thread drops the owner's last
+    reference. Inside the free, before the sanitizer's hook, that thread stops
+    until this one, whose program never waited for the stream, has made an
+    array of 2s. Returns what the reader saw, whether the array of 2s got the
+    owner's block, and whether the next array did, made after the free ended."""
     s = cs.Stream()
     gate = threading.Event()
     out = sim.empty(N, "float32")
@@ -95,13 +95,13 @@ def _free_elsewhere_while_allocating(how: str) -> tuple[float, bool, bool]:
 
     given = [owner]
     del owner
+    if how == "held":  # here, not where it is freed: only the hold vouches for the read
+        _until_no_holds()  # (released: the owner is still ours)
     errors: list[BaseException] = []
 
     def free() -> None:
         try:
-            if how == "held":
-                _until_no_holds()  # vouches for the read; the owner is still ours
-            elif how == "synchronized":
+            if how == "synchronized":
                 s.synchronize()
             given.clear()  # the last reference: freed here
         except BaseException as exc:  # reported below
