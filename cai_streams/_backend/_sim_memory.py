@@ -23,8 +23,8 @@ import numpy as np
 
 __all__ = ["Memory", "free_hooks"]
 
-#: called with (start, end) of every block that goes back to the pool (the
-#: sanitizer forgets what it knew of that memory)
+#: called with (start, end) of every block that goes back to the pool, before
+#: any allocation can take it (the sanitizer forgets what it knew of that memory)
 free_hooks: list[Callable[[int, int], None]] = []
 
 _ALIGN: Final = 256
@@ -47,13 +47,17 @@ class _Segment:
 
 def _collected(ref: weakref.ref[Buffer]) -> None:
     # No lock here: this runs in whatever collection frees the array. The
-    # block is free from now on (the sanitizer forgets it now); the next
-    # allocation or lookup files it in its pool.
+    # block is free from now on: the hooks are told first (the sanitizer
+    # forgets what the free makes done), and only then is it queued, so no
+    # allocation in another thread can take it before the free is known there;
+    # the next allocation or lookup files it in its pool.
     assert isinstance(ref, _Live)
     segment = ref.segment
-    ref.released.append(segment)
-    for hook in free_hooks:
-        hook(segment.ptr, segment.ptr + segment.size)
+    try:
+        for hook in free_hooks:
+            hook(segment.ptr, segment.ptr + segment.size)
+    finally:  # (a hook that raised: the block is still free)
+        ref.released.append(segment)
 
 
 class _Live(weakref.ref[Buffer]):
