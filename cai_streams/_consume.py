@@ -231,19 +231,13 @@ class _TrackedEnqueue(_Tracked):
         return None
 
     def finish(self, *, complete: bool) -> None:
-        if not complete:  # the consume failed: the body never runs
-            self._end_block()
+        if not complete and self.block is not None:  # the body never runs: end its block
+            self.back_edge()
 
     def back_edge(self) -> None:
         assert self.stream is not None
         block, self.block = self.block, None
         self.work.read_done_on(self.stream, block)
-
-    def _end_block(self) -> None:
-        block, self.block = self.block, None
-        if block is not None:
-            assert self.stream is not None
-            self.work.read_done_on(self.stream, block)
 
 
 class _TrackedOptOut(_Tracked):
