@@ -9,17 +9,16 @@ own owner instead sees what it enqueued so far.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from typing import NamedTuple
 
 import anyio
-import sniffio
 
 from ._access import Access, Kind
 from ._identity import StreamId
 from ._poller import poll_policy
+from ._running import current_task_id
 from ._stream import Stream
 
 __all__ = ["Blocked", "OpenBlock", "Owner", "current_owner", "wait_block_async", "wait_block_sync"]
@@ -29,19 +28,10 @@ Owner = tuple[int, "int | None"]
 
 
 def current_owner() -> Owner:
-    """This thread, and the task running in it if any. Cheap outside async code
-    (no exception raised and caught, as ``sniffio.current_async_library`` does)."""
-    ident = threading.get_ident()
-    if (
-        sniffio.thread_local.name is None
-        and sniffio.current_async_library_cvar.get() is None
-        and asyncio._get_running_loop() is None
-    ):
-        return (ident, None)
-    try:
-        return (ident, anyio.get_current_task().id)
-    except RuntimeError:  # a callback the loop runs outside any task (loop.call_soon)
-        return (ident, None)
+    """This thread, and the task running in it if any. Cheap (no exception
+    raised and caught, as ``sniffio.current_async_library`` does; no anyio
+    dispatch: see ``_running``)."""
+    return (threading.get_ident(), current_task_id())
 
 
 class OpenBlock:

@@ -55,7 +55,6 @@ from contextlib import asynccontextmanager
 from typing import Any, ClassVar
 
 import anyio
-import anyio.lowlevel
 
 from . import _capture_guard, _observe
 from ._access import Access
@@ -76,6 +75,7 @@ from ._identity import stream_id_now
 from ._interface import ArrayView, byte_range, parse, parse_read
 from ._pending import PendingWork
 from ._poller import check_timeout, wait_blocking, wait_for_events
+from ._running import checkpoint
 from ._scheduler import Scheduler, scheduler_for
 from ._stream import Stream, as_stream
 from ._tracked import BLOCK_TIMEOUT, lookup
@@ -433,7 +433,7 @@ async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
     deadline = None if timeout is None else anyio.current_time() + timeout
     to_stream = bool(handoffs) and handoffs[0].stream is not None  # (one stream for all)
     if to_stream:
-        await anyio.lowlevel.checkpoint()
+        await checkpoint()
     begun: list[_Handoff] = []
     complete = False
     try:
@@ -455,7 +455,7 @@ async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
             left = None if deadline is None else max(0.0, deadline - anyio.current_time())
             await wait_for_events(handoffs[0].sched.backend, events, timeout=left)
         elif not to_stream:
-            await anyio.lowlevel.checkpoint()
+            await checkpoint()
         complete = True
     finally:
         for h in begun:
