@@ -97,6 +97,10 @@ class Mode(enum.Enum):
     DLPACK_ENQUEUE = "DLPack producer, consumer stream"
     DLPACK_OPT_OUT = "DLPack producer, sync=False"
 
+    #: members are singletons compared by identity: hashed in C (Enum's own
+    #: ``__hash__`` is a Python call, and every handoff looks up its row)
+    __hash__ = object.__hash__
+
 
 def plan(
     *,
@@ -263,7 +267,10 @@ class _UntrackedHost(_Handoff):
         assert producer is not None
         self.view = self.view.with_stream(None)
         key = stream_id_now(backend, producer)
-        with _observe.Scope(self):  # what it finds complete is this handoff's to know
+        if _observe.active:
+            with _observe.Scope(self):  # what it finds complete is this handoff's to know
+                idle = _capture_guard.host_wait_idle(backend, key, "consume()")
+        else:
             idle = _capture_guard.host_wait_idle(backend, key, "consume()")
         if idle:
             return None  # idle: the data is ready now, and no event is spent
@@ -550,7 +557,8 @@ def consume_blocking(
     from a coroutine.
     """
     check_timeout(timeout)
-    (handoff,) = _handoffs([obj], stream, sync, protocol)
+    check_protocol(protocol)
+    handoff = _handoff(obj, stream, sync, current_backend(), protocol)
     limit = BLOCK_TIMEOUT if timeout is None else timeout
     deadline = time.monotonic() + limit
     me = current_owner()

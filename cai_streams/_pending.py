@@ -400,11 +400,12 @@ class PendingWork:
         """The pending writes, pinned, for a host wait (unpin with :meth:`unpin_writes`)."""
         own = self.own_stream()
         with self._locked():
-            blocked = self.blocker(Kind.READ, False, me)
-            if blocked is not None:
+            blocks = self.blocks  # (none open, the common case: nothing to look through)
+            if blocks and (blocked := self.blocker(Kind.READ, False, me)) is not None:
                 return blocked
             self._note(own)
-            self._see_own_blocks(Kind.READ, False, me)
+            if blocks:
+                self._see_own_blocks(Kind.READ, False, me)
             for a in self.writes:
                 a.pin()
             return list(self.writes)

@@ -173,6 +173,9 @@ def scheduler_for(backend: Backend, device: int | None = None) -> Scheduler:
     """The scheduler of ``backend``'s ``device`` (None: the current device)."""
     if device is None:
         device = backend.current_device()
+    found = _schedulers.get((backend, device))  # every handoff asks: no closure made then
+    if found is not None:
+        return found
     on = device
 
     def make() -> Scheduler:  # under the lock
