@@ -133,8 +133,13 @@ class EventPool:
                 except CudaError:
                     done = None  # its work failed: never reuse it
                 if done is False:
+                    # Events complete in record order on each stream, and the
+                    # queue is in release order: the ones behind it are
+                    # likely pending too. One query found so is enough for
+                    # this call; it goes to the back, so a long kernel holds
+                    # up no one else's reuse.
                     self._draining.rotate(-1)
-                    continue
+                    break
                 self._draining.popleft()
                 del keepalive
                 self._keep(event, done is True)

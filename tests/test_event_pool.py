@@ -1,0 +1,88 @@
+"""The event pool: released events are reused once complete, for as few
+queries as possible, and a long kernel holds up no one else's reuse."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+import cai_streams as cs
+from cai_streams import sim
+from cai_streams._events import EventPool
+
+
+class _Queries:
+    """Counts the backend's event queries, and which found the work pending."""
+
+    def __init__(self, backend: cs.Backend) -> None:
+        self.backend = backend
+        self.pending = 0
+        self.done = 0
+
+    def __enter__(self) -> _Queries:
+        query = self.backend.query
+
+        def counted(event: int) -> bool:
+            found = query(event)
+            if found:
+                self.done += 1
+            else:
+                self.pending += 1
+            return found
+
+        self.backend.query = counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.backend.query
+
+
+@pytest.fixture
+def held() -> Iterator[tuple[cs.Stream, threading.Event]]:
+    """A stream whose work waits for the gate (bounded)."""
+    s, gate = cs.Stream(), threading.Event()
+    sim.launch(s, lambda: gate.wait(30), name="gate")
+    yield s, gate
+    gate.set()
+    s.synchronize()
+    s.close()
+
+
+def test_a_release_behind_pending_work_spends_one_query(
+    held: tuple[cs.Stream, threading.Event],
+) -> None:
+    s, _ = held
+    backend = cs.current_backend()
+    pool = EventPool(backend)
+    events = [pool.acquire() for _ in range(20)]
+    with _Queries(backend) as queries:
+        for event in events:
+            backend.record(event, s.handle)
+            pool.release(event)
+    # each release asks about the oldest pending event once, then stops:
+    # querying the rest would find them pending too (record order)
+    assert (queries.pending, queries.done) == (20, 0)
+    assert pool.free == 0
+
+
+def test_a_long_kernel_holds_up_no_one_elses_reuse(
+    held: tuple[cs.Stream, threading.Event],
+) -> None:
+    slow, gate = held
+    idle = cs.Stream()
+    backend = cs.current_backend()
+    pool = EventPool(backend)
+    first, second, third = pool.acquire(), pool.acquire(), pool.acquire()
+    backend.record(first, slow.handle)  # pending until the gate opens
+    pool.release(first)
+    for event in (second, third):
+        backend.record(event, idle.handle)
+        idle.synchronize()  # complete
+        pool.release(event)
+    # the completed ones are handed out again, the pending one is not
+    assert {pool.acquire(), pool.acquire()} == {second, third}
+    assert pool.created == 3
+    assert not gate.is_set()
+    idle.close()
