@@ -5,16 +5,22 @@ Run: python benchmarks/bench_hot.py [--repeats N]. Figures are this thread's
 CPU time per call (``time.thread_time``) on the simulator, so the other load
 of a shared machine does not count; each ratio is the median over the repeats
 of (cost / floor), the two measured back to back.
+
+The ``await consume`` rows (no goal in the issue) are the same handoffs from
+a task under asyncio, beside the same floors plus the one checkpoint every
+await consume is (``asyncio.sleep(0)``): what the async API adds.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and the project importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,7 +46,19 @@ def per_call_us(fn: Callable[[], object], n: int) -> float:
     return (time.thread_time() - start) / n * 1e6
 
 
-def cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+def per_await_us(make: Callable[[], Awaitable[object]], n: int) -> float:
+    """This thread's CPU time per ``await make()``, in a task under asyncio."""
+
+    async def run() -> float:
+        start = time.thread_time()
+        for _ in range(n):
+            await make()
+        return (time.thread_time() - start) / n * 1e6
+
+    return asyncio.run(run())
+
+
+def cases() -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
     """(measured, floor) per case, on the simulator."""
     cs.use_backend("sim")
     backend = cs.current_backend()
@@ -61,6 +79,10 @@ def cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
         obj.__cuda_array_interface__  # type: ignore[attr-defined]  # noqa: B018
         backend.query_stream(idle_stream.handle)
 
+    async def checkpointed(floor: Callable[[], object]) -> None:
+        floor()
+        await asyncio.sleep(0)
+
     return {
         "parse, CuPy-style v3 dict": (lambda: parse(v3), lambda: v3.__cuda_array_interface__),
         "consume_blocking(arr, stream=s)": (
@@ -75,16 +97,25 @@ def cases() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
             lambda: cs.consume_blocking(idle),
             lambda: read_query(idle),
         ),
+        "await consume(arr, stream=s)": (
+            lambda: cs.consume(arr, stream=mine),
+            lambda: checkpointed(record_wait),
+        ),
+        "await consume(t), tracked, complete": (
+            lambda: cs.consume(tracked),
+            lambda: checkpointed(lambda: read_query(arr)),
+        ),
     }
 
 
 def main(repeats: int, n: int) -> list[tuple[str, float, float, float]]:
     rows = []
     for case, (fn, floor) in cases().items():
-        fn(), floor()  # warm: caches, pools
+        measure = per_await_us if case.startswith("await") else per_call_us
+        measure(fn, 1), measure(floor, 1)  # warm: caches, pools
         us, base, ratio = [], [], []
         for _ in range(repeats):
-            a, b = per_call_us(fn, n), per_call_us(floor, n)
+            a, b = measure(fn, n), measure(floor, n)
             us.append(a)
             base.append(b)
             ratio.append(a / b)
@@ -101,4 +132,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     print(f"{'case':48} {'us/call':>8} {'floor':>8} {'ratio':>6} {'goal':>5}")
     for case, us, floor, ratio in main(args.repeats, args.n):
-        print(f"{case:48} {us:8.2f} {floor:8.2f} {ratio:6.2f} {GOALS[case]:5.1f}")
+        goal = f"{GOALS[case]:5.1f}" if case in GOALS else "    -"
+        print(f"{case:48} {us:8.2f} {floor:8.2f} {ratio:6.2f} {goal}")
