@@ -4,9 +4,10 @@ view was in use.
 
 A hold records one pooled event on the stream and keeps the owner until the
 event completes (see ``_hold_table``); it only enqueues. A view handed to a
-stream (``consume(stream=s)``) gets a :class:`ViewLease`: the lease keeps the
-owner too, and when the view is collected a hold is recorded on ``s``, which
-covers everything enqueued while the view was in use. The record is made:
+stream (``consume(stream=s)``) gets a :class:`ViewLease`, counted in its
+owner's lease on ``s``: the lease keeps the owner too, and once its last view
+is let go a hold is recorded on ``s``, which covers everything enqueued while
+its views were in use. The record is made:
 
 * on ``consuming()`` exit, in the consumer's thread (the stream is alive);
 * when the view is released: a weakref callback only queues the lease (it
@@ -19,12 +20,13 @@ covers everything enqueued while the view was in use. The record is made:
   or reused by then: no lease is made, and the owner lives as long as the view;
 * when the consumer's stream (one the library made) closes with the view alive.
 
-A released view's hold is merged into a newer lease of the same owner on the
-same stream that is still unrecorded (``LeaseState.MERGED``): that lease keeps
-the very same owner and records later on the same stream, so stream order
-covers the older view's work with one record. The queue settles a view only at
-the second library call after its release (``_hold_table``), which lets the
-common "consume, drop, consume again" loop record no hold per handoff.
+The views of one owner handed to one stream share one lease, which counts
+the views in use and records once, when the last is let go: a later record on
+the same stream covers the earlier views' work in stream order (a released
+view while another is in use is counted in ``holds_merged``). The queue
+settles a view only at the second library call after its release
+(``_hold_table``), which lets the common "consume, drop, consume again" loop
+record no hold per handoff: the next view has joined the lease by then.
 
 A stream that is capturing a graph cannot take a record whose event is then
 queried: ``hold`` raises :class:`~cai_streams.CaptureError`, and a lease waits
@@ -158,53 +160,63 @@ def hold(owner: object, *, until: object) -> None:
 
 
 class LeaseState(enum.Enum):
-    #: the view may still be in use: the lease keeps its owner as well
+    """Where the lease of one owner on one stream stands."""
+
+    #: a view of it may still be in use: the lease keeps its owner as well
     IN_USE = "in use"
-    #: a hold is recorded for everything enqueued while the view was in use
+    #: a hold is recorded for everything enqueued while its views were in use
     HELD = "held"
     #: nothing left to record (the stream closed during a capture, or the
     #: device faulted): the lease let go
     DROPPED = "dropped"
-    #: another lease of the same owner on the same stream was still unrecorded:
-    #: its later record covers this one's work in stream order (one record for both)
-    MERGED = "merged"
 
 
-def _view_released(lease: weakref.ref[ArrayView]) -> None:
+class _Use(enum.Enum):
+    """Where one view handed to a stream stands with its lease."""
+
+    #: counted among the lease's views in use
+    COUNTED = "counted"
+    #: let go of (its release was settled, or its ``consuming()`` block ended)
+    DONE = "done"
+
+
+def _view_released(ref: weakref.ref[ArrayView]) -> None:
     # A weakref callback: any thread, inside any lock. Only queue.
-    table.released_views.append(lease)  # type: ignore[arg-type]
+    table.released_views.append(ref)  # type: ignore[arg-type]
 
 
-#: leases in use, by (stream, id of owner): a weakref callback fires only
-#: while its weakref lives; two in one bucket hold the same owner (so its id
-#: names one object) on the same stream, and the later record covers both
-_in_use: dict[tuple[StreamId, int], dict[int, ViewLease]] = {}  # (by id: no __hash__ call)
+#: leases in use, by (stream, id of owner): while one is here it keeps its
+#: owner (so the id names one object), and every view of that owner handed to
+#: that stream joins it; it records once, after its last view is let go
+_in_use: dict[tuple[StreamId, int], _Lease] = {}
 _in_use_lock = threading.Lock()  # bookkeeping only
 
 
-class ViewLease(weakref.ref[ArrayView]):
-    """A view handed to a stream: its owner is held until the stream passes
-    the work enqueued while the view was in use (see the module docstring)."""
+class _Lease:
+    """The views of one owner handed to one stream: the owner is held until
+    the stream passes the work enqueued while any of them was in use. One
+    record covers them all (stream order), made when the last is let go."""
 
     __slots__ = (
-        "_bucket",
         "_lock",
+        "index",
         "key",
         "keepalive",
         "lifetime",
         "nbytes",
         "owner",
         "ranges",
+        "refs",
         "state",
         "stream",
+        "views",
     )
 
-    def __new__(cls, view: ArrayView, stream: Stream) -> ViewLease:
-        return super().__new__(cls, view, _view_released)
-
-    def __init__(self, view: ArrayView, stream: Stream) -> None:
+    def __init__(self, view: ArrayView, stream: Stream, key: StreamId) -> None:
+        #: serializes recording against the stream's close in another thread
         self._lock = threading.RLock()
-        self.key = stream._key()  # for handle 2: the consumer's thread's stream
+        self.key = key  # for handle 2: the consumer's thread's stream
+        self.index = (key, id(view.owner))
         self.lifetime: Lifetime | None = stream._lifetime
         # an owned stream must not be destroyed by its collection before the
         # record; a wrapped stream object stays alive even if the wrapper is closed
@@ -212,10 +224,13 @@ class ViewLease(weakref.ref[ArrayView]):
         self.keepalive: object = stream._keepalive
         self.owner: object = view.owner
         self.nbytes = view.nbytes
-        #: the memory of its view and of the views merged into it (see _merge)
-        self.ranges: Ranges = _view_ranges(view) if _observe.active else ()
+        #: the memory of its views, for the sanitizer (see _view_ranges)
+        self.ranges: Ranges = ()
         self.state = LeaseState.IN_USE
-        self._bucket = (self.key, id(view.owner))
+        #: its views counted in use, and their weak references: a weakref
+        #: calls back only while it lives (``_in_use_lock``)
+        self.views = 0
+        self.refs: dict[int, ViewLease] = {}
 
     def _target(self) -> StreamId:
         """Where to record from this thread: the consumer's stream, or for
@@ -225,98 +240,135 @@ class ViewLease(weakref.ref[ArrayView]):
             return StreamId(key.backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0)
         return key
 
-    def _record(self) -> bool:
-        """IN_USE -> HELD or MERGED (lock held). False when the stream is capturing."""
-        if self._merge():
+    @staticmethod
+    def _capturing(on: StreamId) -> bool:
+        """Whether ``on`` is capturing (wait for the capture to end before
+        recording). A stream that cannot say (gone, faulted) is not: the
+        record that follows fails the same way, and deals with it."""
+        if on.handle == LEGACY_DEFAULT_STREAM:
+            return False
+        try:
+            with _OnDevice(on.backend, on.device, on.handle):
+                return on.backend.is_capturing(on.handle)
+        except CudaError:
+            return False
+
+    def record_unless_used(self) -> bool:
+        """``_lock`` held: record the hold now unless a view is in use again
+        (its later record covers this work). False when the stream is capturing
+        (asked again later)."""
+        if self.state is not LeaseState.IN_USE:
             return True
         on = self._target()
-        backend = on.backend
+        if self._capturing(on):
+            return False
+        with _in_use_lock:
+            if self.views:
+                return True
+            self._leave()
+        self._record(on)
+        return True
+
+    def _leave(self) -> None:
+        """``_in_use_lock`` held: no view joins it from now on."""
+        if _in_use.get(self.index) is self:
+            del _in_use[self.index]
+
+    def _record(self, on: StreamId) -> None:
+        """``_lock`` held, out of ``_in_use``: IN_USE -> HELD (or DROPPED)."""
         owner, stream, lifetime = self.owner, self.stream, self.lifetime
         try:
-            with _OnDevice(backend, on.device, on.handle):
-                if on.handle != LEGACY_DEFAULT_STREAM and backend.is_capturing(on.handle):
-                    return False
             # Done first: a limit passed while recording settles the queued
-            # leases, and may come back to this one (the lock is re-entrant).
+            # views, and may come back to this lease (the lock is re-entrant).
             # It still listens: the stream's owner closing it in another thread
             # waits for this lease's lock before destroying it.
-            self._end(LeaseState.HELD, forget=False)
-            _record_hold(on, owner, self.nbytes, stacklevel=4, ranges=self.ranges)
+            self._end(LeaseState.HELD)
+            _record_hold(on, owner, self.nbytes, stacklevel=5, ranges=self.ranges)
         except KernelError:  # the device faulted: work after the fault never runs
-            self._end(LeaseState.DROPPED, forget=False)
+            self._end(LeaseState.DROPPED)
         except CudaError as exc:  # the stream is gone: its work may still run
-            self._end(LeaseState.DROPPED, forget=False)
+            self._end(LeaseState.DROPPED)
             _kept.append(owner)
             warnings.warn(
                 f"kept {type(owner).__name__} alive for good: could not record a "
                 f"hold on {self.key.describe()}: {exc}",
                 CudaWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
         finally:
-            if lifetime is not None and self.state is not LeaseState.IN_USE:
-                lifetime.forget(self)  # (a capturing stream: it still listens)
-        del stream  # an owned stream may be destroyed now: its hold is recorded
-        return True
+            if lifetime is not None:
+                lifetime.forget(self)  # (recorded: an owned stream may be destroyed now)
+        del stream
 
-    def _merge(self) -> bool:
-        """IN_USE -> MERGED (lock held) when another lease of the same owner on
-        the same stream is still in use: it has not decided to record yet (a
-        lease leaves ``_in_use`` before it records), so its record comes after
-        every piece of work enqueued with this view. Decided under one lock, so
-        of two leases that settle at once exactly one records."""
-        with _in_use_lock:
-            bucket = _in_use.get(self._bucket)
-            if bucket is None or len(bucket) < 2:
-                return False
-            self._leave(bucket)
-            if self.ranges:  # whichever of them records vouches for this view's memory too
-                for other in bucket.values():  # (one range each, as a rule: no growth)
-                    other.ranges += tuple(r for r in self.ranges if r not in other.ranges)
-            table.merged += 1  # under the lock: the one place that counts it
-        self._end(LeaseState.MERGED, indexed=False)
-        return True
-
-    def _leave(self, bucket: dict[int, ViewLease]) -> None:
-        """Out of ``_in_use`` (its lock held)."""
-        bucket.pop(id(self), None)
-        if not bucket:
-            del _in_use[self._bucket]
-
-    def _end(self, state: LeaseState, *, indexed: bool = True, forget: bool = True) -> None:
-        """Let go of everything (``indexed``: it may still be in ``_in_use``;
-        ``forget``: stop listening to the stream's close now)."""
+    def _end(self, state: LeaseState) -> None:
         self.state = state
         self.owner = None
         self.stream = self.keepalive = None
-        lifetime = self.lifetime
-        if forget and lifetime is not None:
-            lifetime.forget(self)
-        if indexed:
-            with _in_use_lock:
-                bucket = _in_use.get(self._bucket)
-                if bucket is not None and id(self) in bucket:
-                    self._leave(bucket)
 
-    def settle(self) -> bool:
-        """The view was collected: record the hold now, from this thread."""
+    def stream_closing(self) -> None:
+        """The consumer's stream is closing: record while it exists, whatever
+        view is still in use (nothing more runs on the stream)."""
         with self._lock:
             if self.state is not LeaseState.IN_USE:
+                return
+            with _in_use_lock:
+                self._leave()
+            on = self._target()
+            if self._capturing(on):
+                self._end(LeaseState.DROPPED)  # no work of a capture will run on it
+                if self.lifetime is not None:
+                    self.lifetime.forget(self)
+                return
+            self._record(on)
+
+
+class ViewLease(weakref.ref[ArrayView]):
+    """A view handed to a stream, counted in its owner's lease on that stream
+    until it is released (collected) or its ``consuming()`` block ends."""
+
+    __slots__ = ("lease", "use")
+
+    def __new__(cls, view: ArrayView, lease: _Lease) -> ViewLease:
+        return super().__new__(cls, view, _view_released)
+
+    def __init__(self, view: ArrayView, lease: _Lease) -> None:
+        self.lease = lease
+        self.use = _Use.COUNTED
+
+    def _let_go(self) -> bool:
+        """COUNTED -> DONE; whether it was the lease's last view in use."""
+        lease = self.lease
+        with _in_use_lock:
+            self.use = _Use.DONE
+            lease.views -= 1
+            del lease.refs[id(self)]
+            if lease.views or lease.state is not LeaseState.IN_USE:
+                if lease.views:
+                    table.merged += 1  # under the lock: the one place that counts it
+                return False
+        return True
+
+    def settle(self) -> bool:
+        """The view was collected: record the hold now, from this thread, if
+        it was the last of its lease in use. False when the stream is capturing."""
+        lease = self.lease
+        with lease._lock:
+            if self.use is _Use.COUNTED and not self._let_go():
                 return True
-            return self._record()
+            return lease.record_unless_used()
 
     def end_use(self) -> None:
         """``consuming()`` exit, in the consumer's thread: record the hold now
-        (while capturing, the view's release records it instead)."""
-        with self._lock:
-            if self.state is LeaseState.IN_USE:
-                self._record()
-
-    def stream_closing(self) -> None:
-        """The consumer's stream is closing: record while it exists."""
-        with self._lock:
-            if self.state is LeaseState.IN_USE and not self._record():
-                self._end(LeaseState.DROPPED)  # no work of a capture will run on it
+        if this was the lease's last view in use (while capturing, the view's
+        release records it instead)."""
+        lease = self.lease
+        with lease._lock:
+            if self.use is not _Use.COUNTED or lease.state is not LeaseState.IN_USE:
+                return
+            if lease._capturing(lease._target()):
+                return
+            if self._let_go():
+                lease.record_unless_used()
 
     def __hash__(self) -> int:
         return id(self)
@@ -334,16 +386,31 @@ def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
     recorded: no owner, or a bare handle of a stream the library cannot see
     the end of (the owner then lives exactly as long as the view).
     """
-    if view.owner is None or not stream._records_later():
+    owner = view.owner
+    if owner is None or not stream._records_later():
         return None
-    lease = ViewLease(view, stream)
-    with _in_use_lock:  # first: closing the stream may settle it at once
-        _in_use.setdefault(lease._bucket, {})[id(lease)] = lease
-    lifetime = lease.lifetime
-    if lifetime is not None and not lifetime.listen(lease):
-        lease._end(LeaseState.DROPPED)  # the stream is closing: nothing more will run on it
+    key = stream._key()
+    index = (key, id(owner))
+    with _in_use_lock:
+        lease = _in_use.get(index)
+        new = lease is None
+        if lease is None:
+            lease = _in_use[index] = _Lease(view, stream, key)
+        lease.views += 1
+        lease.nbytes = max(lease.nbytes, view.nbytes)
+        ref = ViewLease(view, lease)
+        lease.refs[id(ref)] = ref
+        if _observe.active:
+            ranges = _view_ranges(view)
+            lease.ranges += tuple(r for r in ranges if r not in lease.ranges)
+    if new and lease.lifetime is not None and not lease.lifetime.listen(lease):
+        # the stream is closing: nothing more will run on it
+        with lease._lock, _in_use_lock:
+            lease._leave()
+            if lease.state is LeaseState.IN_USE:
+                lease._end(LeaseState.DROPPED)
         return None
-    return lease
+    return ref
 
 
 def view_done(view: ArrayView, stream: Stream, lease: ViewLease | None) -> None:

@@ -10,6 +10,7 @@ control: the same owner without a hold is gone at once). Data-level proof
 from __future__ import annotations
 
 import gc
+import random
 import re
 import threading
 import time
@@ -494,6 +495,88 @@ def test_views_of_one_owner_released_from_several_threads_at_once_keep_it_until_
     assert ref() is not None
     latch.release()
     assert released_soon(ref)
+
+
+@pytest.mark.anyio
+async def test_a_consuming_exit_while_another_view_of_its_owner_is_in_use_leaves_it_to_that_view(
+    ops: DeviceOps,
+) -> None:
+    """The block's exit records nothing while a view of the same owner on the
+    same stream is still in use: that view's later record covers both, and the
+    owner lives until the stream passes the work enqueued with it after the exit."""
+    s = cs.Stream()
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    start = cs.stats()
+    other = cs.consume_blocking(box, stream=s)
+    async with cs.consuming(box, stream=s) as view:
+        pass
+    assert cs.stats()["holds_made"] == start["holds_made"]
+    latch = ops.latch(s)  # enqueued while `other` is still in use
+    del view, other, box
+    end = cs.stats()
+    assert end["holds_made"] - start["holds_made"] == 1
+    assert ref() is not None
+    latch.release()
+    assert released_soon(ref)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_view_lifetimes_keep_each_owner_while_work_enqueued_in_its_views_use_is_pending(
+    ops: DeviceOps, seed: int
+) -> None:
+    """A random program of handoffs of owners to one stream (at most two at a
+    time, new ones made as old ones are let go), views dropped in any order,
+    latches enqueued on the stream (a few at a time) and released in any
+    order, sweeps: the oracle says which owners work still pending on the
+    stream was enqueued for (while a view of theirs was in use). Such an owner
+    must be alive after every step; once everything is released, all are gone.
+    (A lease that recorded at its first view's release, not its last, fails.)"""
+    rng = random.Random(seed)
+    s = cs.Stream()
+    owners: dict[int, Box] = {}
+    refs: dict[int, weakref.ref[Box]] = {}
+    views: list[tuple[int, cs.ArrayView]] = []
+    #: in stream order: the latch, the owners in use when it was enqueued, and
+    #: an event recorded after it (to wait until the stream has passed it)
+    latches: list[tuple[Latch, set[int], cs.Event]] = []
+    passed = 0  # latches the stream has passed: every one before them released
+    released: set[int] = set()
+    for _ in range(300):
+        if len(owners) < 2:
+            n = len(refs)
+            owners[n] = Box(ops.array(np.zeros(16, np.float32)))
+            refs[n] = weakref.ref(owners[n])
+        op = rng.choice(["consume"] * 3 + ["drop"] * 3 + ["latch", "release"] * 2 + ["stats"])
+        if op == "consume":
+            i = rng.choice(sorted(owners))
+            views.append((i, cs.consume_blocking(owners[i], stream=s)))
+        elif op == "drop" and views:
+            del views[rng.randrange(len(views))]
+        elif op == "latch" and len(latches) - passed < 3:
+            latch = ops.latch(s)
+            latches.append((latch, {i for i, _ in views}, s.record()))
+        elif op == "release" and len(released) < len(latches):
+            held = [k for k in range(passed, len(latches)) if k not in released]
+            k = held[0] if rng.random() < 0.7 else rng.choice(held)  # mostly in order
+            released.add(k)
+            latches[k][0].release()
+            while passed in released:
+                passed += 1
+            if passed:
+                latches[passed - 1][2].synchronize()  # the device where the oracle is
+        else:
+            cs.stats()
+        if rng.random() < 0.1:  # let go of an owner: its views may still hold it
+            del owners[rng.choice(sorted(owners))]
+        needed = set().union(*(used for _, used, _ in latches[passed:]))
+        gone = {i for i, r in refs.items() if r() is None}
+        assert not gone & needed, (gone & needed, "freed with its work pending")
+    for latch, _, _ in latches:
+        latch.release()
+    del views, owners
+    for i, r in refs.items():
+        assert released_soon(r), f"owner {i} was never let go"
 
 
 @pytest.mark.anyio
