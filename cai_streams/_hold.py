@@ -204,6 +204,7 @@ class _Lease:
         "keepalive",
         "lifetime",
         "nbytes",
+        "others",
         "owner",
         "ranges",
         "refs",
@@ -222,6 +223,10 @@ class _Lease:
         # record; a wrapped stream object stays alive even if the wrapper is closed
         self.stream: Stream | None = stream
         self.keepalive: object = stream._keepalive
+        #: the other Stream objects (and what they keep alive) that views
+        #: joined through: a bare handle's wrapper first, then the Stream that
+        #: owns the stream, say; each may be all that keeps the stream alive
+        self.others: list[tuple[Stream, object]] = []
         self.owner: object = view.owner
         self.nbytes = view.nbytes
         #: the memory of its views, for the sanitizer (see _view_ranges)
@@ -276,7 +281,7 @@ class _Lease:
 
     def _record(self, on: StreamId) -> None:
         """``_lock`` held, out of ``_in_use``: IN_USE -> HELD (or DROPPED)."""
-        owner, stream, lifetime = self.owner, self.stream, self.lifetime
+        owner, stream, others, lifetime = self.owner, self.stream, self.others, self.lifetime
         try:
             # Done first: a limit passed while recording settles the queued
             # views, and may come back to this lease (the lock is re-entrant).
@@ -298,12 +303,13 @@ class _Lease:
         finally:
             if lifetime is not None:
                 lifetime.forget(self)  # (recorded: an owned stream may be destroyed now)
-        del stream
+        del stream, others
 
     def _end(self, state: LeaseState) -> None:
         self.state = state
         self.owner = None
         self.stream = self.keepalive = None
+        self.others = []
 
     def stream_closing(self) -> None:
         """The consumer's stream is closing: record while it exists, whatever
@@ -398,6 +404,8 @@ def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
             lease = _in_use[index] = _Lease(view, stream, key)
         lease.views += 1
         lease.nbytes = max(lease.nbytes, view.nbytes)
+        if stream is not lease.stream and all(stream is not x for x, _ in lease.others):
+            lease.others.append((stream, stream._keepalive))
         ref = ViewLease(view, lease)
         lease.refs[id(ref)] = ref
         if _observe.active:

@@ -394,10 +394,13 @@ class Stream:
             if _finalizing():  # the driver frees it with the context; its
                 return  # bindings may already be torn down
             try:
-                lifetime = self._lifetime
-                if lifetime is not None:
-                    lifetime.close()  # nothing listens: listeners hold the stream
-                self._backend.destroy_stream(self._handle)
+                # What listens (a consumer's read, a view's lease) may hold only
+                # a borrowed wrapper of its bare handle: record it while the
+                # stream exists, as close() does.
+                try:
+                    self._end_lifetime()
+                finally:
+                    self._backend.destroy_stream(self._handle)
             except Exception as exc:  # never raise from a destructor
                 warnings.warn(f"leaked stream {self._handle:#x}: {exc}", CudaWarning, stacklevel=1)
 

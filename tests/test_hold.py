@@ -521,6 +521,78 @@ async def test_a_consuming_exit_while_another_view_of_its_owner_is_in_use_leaves
     assert released_soon(ref)
 
 
+class _OwningStream:
+    """Another library's stream object: its stream is destroyed with it."""
+
+    def __init__(self, backend: cs.Backend) -> None:
+        self.backend = backend
+        self.handle = backend.create_stream()
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+    def __del__(self) -> None:
+        self.backend.destroy_stream(self.handle)
+
+
+class _ExternalStream:
+    """Another library's non-owning view of a stream handle (as
+    ``torch.cuda.ExternalStream`` or cuda.core's ``Stream.from_handle``)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+@pytest.mark.parametrize(
+    "through",
+    ["its handle, then the Stream", "its handle twice", "a non-owning object, then its owner"],
+)
+def test_a_stream_dropped_while_views_handed_through_another_object_are_in_use_records_first(
+    ops: DeviceOps, through: str
+) -> None:
+    """Views of one owner handed to a stream through a non-owning object (the
+    bare handle, another library's external stream), then through the object
+    that owns the stream or the handle again; the user drops the owning
+    object while a latched reader of the second view is pending. The stream
+    must not be destroyed before the hold is recorded (the lease keeps every
+    object views came through; a collected Stream records what listens
+    first), or the record lands on the next stream given the handle, the
+    owner goes, the allocator hands its block to the next array, and the
+    reader copies that array's data."""
+    backend = cs.current_backend()
+    owning: object = _OwningStream(backend) if through.startswith("a non") else cs.Stream()
+    handle = owning.handle  # type: ignore[attr-defined]
+    first: object = _ExternalStream(handle) if through.startswith("a non") else handle
+    second = handle if through == "its handle twice" else owning
+    box = Box(ops.array(np.full(256, 1.0, np.float32)))
+    ref = weakref.ref(box)
+    out = ops.array(np.zeros(256, np.float32))
+    views = [cs.consume_blocking(box, stream=first), cs.consume_blocking(box, stream=second)]
+    s = cs.Stream.wrap(handle)  # bare: keeps nothing alive
+    latch = ops.latch(s)
+    ops.copy(s, out, views[1])  # enqueued while the view is in use
+    copied = backend.create_event()  # (a cs.Event would keep the stream object alive)
+    backend.record(copied, handle)
+    del owning, first, second, s
+    gc.collect()
+    successor = _OwningStream(backend)  # the simulator hands a destroyed handle out again
+    del views, box
+    for _ in range(20):  # a hold misplaced on the idle successor completes at once
+        cs.stats()
+        time.sleep(0.001)
+    assert ref() is not None
+    other = ops.array(np.full(256, 9.0, np.float32))  # would take a freed owner's block
+    latch.release()
+    backend.synchronize_event(copied)
+    backend.destroy_event(copied)
+    assert ops.to_host(out)[0] == 1.0
+    assert released_soon(ref)
+    del other, successor
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_random_view_lifetimes_keep_each_owner_while_work_enqueued_in_its_views_use_is_pending(
     ops: DeviceOps, seed: int
