@@ -112,9 +112,11 @@ class EventPool:
     def reclaim(self) -> None:
         """Move every completed released event to the free list."""
         with self._lock:
-            self._reclaim(limit=max(len(self._draining), len(self._captured)))
+            self._reclaim(limit=max(len(self._draining), len(self._captured)), every=True)
 
-    def _reclaim(self, limit: int) -> None:
+    def _reclaim(self, limit: int, *, every: bool = False) -> None:
+        """Look at up to ``limit`` released events; ``every``: past the pending
+        ones too (else the first found pending ends the call)."""
         for _ in range(min(limit, len(self._captured))):
             event, keepalive, key = self._captured[0]
             if _capture_guard.capturing(self._backend, key) is not False:
@@ -139,6 +141,8 @@ class EventPool:
                     # this call; it goes to the back, so a long kernel holds
                     # up no one else's reuse.
                     self._draining.rotate(-1)
+                    if every:
+                        continue
                     break
                 self._draining.popleft()
                 del keepalive

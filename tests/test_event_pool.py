@@ -86,3 +86,24 @@ def test_a_long_kernel_holds_up_no_one_elses_reuse(
     assert pool.created == 3
     assert not gate.is_set()
     idle.close()
+
+
+def test_reclaim_moves_every_completed_event_past_pending_ones(
+    held: tuple[cs.Stream, threading.Event],
+) -> None:
+    """What ``cs.stats()`` reports: ``reclaim()`` takes every completed event,
+    not just those before the first pending one."""
+    slow, _ = held
+    idle = cs.Stream()
+    backend = cs.current_backend()
+    pool = EventPool(backend)
+    events = [pool.acquire() for _ in range(11)]
+    backend.record(events[0], slow.handle)  # pending, and first in line
+    for event in events[1:]:
+        backend.record(event, idle.handle)
+    idle.synchronize()
+    for event in events:
+        pool.release(event)
+    pool.reclaim()
+    assert (pool.free, pool.in_flight) == (10, 1)
+    idle.close()
