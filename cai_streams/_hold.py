@@ -40,7 +40,7 @@ import threading
 import warnings
 import weakref
 
-from . import _observe
+from . import _capture_guard, _observe
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
 from ._events import pool_for, record
@@ -247,14 +247,17 @@ class _Lease:
 
     @staticmethod
     def _capturing(on: StreamId) -> bool:
-        """Whether ``on`` is capturing (wait for the capture to end before
-        recording). A stream that cannot say (gone, faulted) is not: the
-        record that follows fails the same way, and deals with it."""
-        if on.handle == LEGACY_DEFAULT_STREAM:
-            return False
+        """Whether a record on ``on`` must wait for a capture to end: ``on``
+        captures, or it is the legacy stream while a blocking stream of its
+        device captures (another thread's handle 2, say: any use of the legacy
+        stream would invalidate that capture). A stream that cannot say (gone,
+        faulted) need not: the record that follows fails the same way, and
+        deals with it."""
         try:
             with _OnDevice(on.backend, on.device, on.handle):
-                return on.backend.is_capturing(on.handle)
+                return _capture_guard.capturing(on.backend, on) is True
+        except CaptureError:  # the legacy stream, while a blocking stream captures
+            return True
         except CudaError:
             return False
 

@@ -782,6 +782,33 @@ def test_a_view_released_while_its_stream_captures_is_held_until_the_capture_end
     assert released_soon(ref)
 
 
+def test_a_view_on_another_threads_stream_2_settled_while_this_threads_stream_2_captures_waits(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    """Settled here, a view handed to another thread's handle 2 records on the
+    legacy stream, which any capture on a blocking stream of the device (this
+    thread's handle 2) forbids: the lease waits for the capture to end, which
+    stays valid, rather than fail and keep the owner for good."""
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    got: list[cs.ArrayView] = []
+    worker = threading.Thread(target=lambda: got.append(cs.consume_blocking(box, stream=2)))
+    worker.start()
+    worker.join(WAIT)
+    del box
+    backend.begin_capture(2, "relaxed")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "kept ... alive for good" would raise here
+            got.clear()
+            cs.stats()  # settles the released view: it must wait
+        assert ref() is not None
+    finally:
+        graph = backend.end_capture(2)  # raises if the capture was invalidated
+    backend.destroy_graph(graph)
+    assert released_soon(ref)
+
+
 def test_the_example_in_the_lifetime_docs_runs_and_shows_the_hazard() -> None:
     text = (Path(__file__).resolve().parents[1] / "docs" / "lifetime.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
