@@ -79,9 +79,10 @@ class EventPool:
         self.acquired = 0
 
     def acquire(self) -> int:
+        gone: list[object] = []  # dropped on return, after the lock (see _reclaim)
         with self._lock:
             if not self._free:  # queries only when there is nothing to hand out
-                self._reclaim(limit=4)
+                self._reclaim(4, gone)
             if self._free:
                 self.acquired += 1
                 return self._free.pop()
@@ -94,12 +95,13 @@ class EventPool:
     def release(self, event: int, keepalive: object = None, mark: Mark | None = None) -> None:
         """Give ``event`` back; ``keepalive`` (its stream, an owner) is held until it
         completes. ``mark``: where it was last recorded, if it was."""
+        gone: list[object] = []
         with self._lock:
             if mark is not None and mark.captured:
                 self._captured.append((event, keepalive, mark.key))
             else:
                 self._draining.append((event, keepalive))
-            self._reclaim(limit=2)
+            self._reclaim(2, gone)
 
     def reuse(self, event: int) -> None:
         """Give back ``event``, which the caller saw complete: free at once, no query."""
@@ -111,19 +113,22 @@ class EventPool:
 
     def reclaim(self) -> None:
         """Move every completed released event to the free list."""
+        gone: list[object] = []
         with self._lock:
-            self._reclaim(limit=max(len(self._draining), len(self._captured)), every=True)
+            self._reclaim(max(len(self._draining), len(self._captured)), gone, every=True)
 
-    def _reclaim(self, limit: int, *, every: bool = False) -> None:
+    def _reclaim(self, limit: int, gone: list[object], *, every: bool = False) -> None:
         """Look at up to ``limit`` released events; ``every``: past the pending
-        ones too (else the first found pending ends the call)."""
+        ones too (else the first found pending ends the call). What completed
+        events kept alive goes to ``gone``, for the caller to drop once the
+        lock is released: a finalizer it runs may call the library."""
         for _ in range(min(limit, len(self._captured))):
             event, keepalive, key = self._captured[0]
             if _capture_guard.capturing(self._backend, key) is not False:
                 self._captured.rotate(-1)  # its capture is under way: never query it
                 continue
             self._captured.popleft()
-            del keepalive
+            gone.append(keepalive)
             self._keep(event, True)
         if not self._draining:
             return
@@ -145,7 +150,7 @@ class EventPool:
                         continue
                     break
                 self._draining.popleft()
-                del keepalive
+                gone.append(keepalive)
                 self._keep(event, done is True)
 
     def _keep(self, event: int, reusable: bool) -> None:

@@ -36,12 +36,14 @@ until the capture has ended.
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 import warnings
 import weakref
 
 from . import _capture_guard, _observe
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
+from ._deferred import in_collection, later
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
 from ._events import pool_for, record
 from ._hold_table import Hold, Ranges, table, tick
@@ -156,7 +158,65 @@ def hold(owner: object, *, until: object) -> None:
             "as the graph, or call hold(owner, until=stream) after the graph's "
             "launch on the stream it was launched on."
         )
-    _record_hold(s._key(), owner, nbytes_of(owner), stacklevel=2, ranges=_owner_ranges(owner))
+    key, ranges = s._key(), _owner_ranges(owner)
+    if in_collection():  # a finalizer, maybe inside a library lock: at the next call
+        later(functools.partial(_hold_later, s, key, owner, nbytes_of(owner), ranges))
+        return
+    _record_hold(key, owner, nbytes_of(owner), stacklevel=2, ranges=ranges)
+
+
+def _record_target(key: StreamId) -> StreamId:
+    """Where to record from this thread for work on ``key``: that stream, or
+    for another thread's handle 2, the legacy stream (which waits for it)."""
+    if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
+        return StreamId(key.backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0)
+    return key
+
+
+def _waits_for_capture(on: StreamId) -> bool:
+    """Whether a record on ``on`` must wait for a capture to end: ``on``
+    captures, or it is the legacy stream while a blocking stream of its device
+    captures (another thread's handle 2, say: any use of the legacy stream
+    would invalidate that capture). A stream that cannot say (gone, faulted)
+    need not: the record that follows fails the same way, and deals with it."""
+    try:
+        with _OnDevice(on.backend, on.device, on.handle):
+            return _capture_guard.capturing(on.backend, on) is True
+    except CaptureError:  # the legacy stream, while a blocking stream captures
+        return True
+    except CudaError:
+        return False
+
+
+def _keep_for_good(owner: object, key: StreamId, why: object, stacklevel: int) -> None:
+    """A hold that cannot be recorded: its stream's work may still run, and a
+    leak is better than a block reused under it."""
+    _kept.append(owner)
+    warnings.warn(
+        f"kept {type(owner).__name__} alive for good: could not record a "
+        f"hold on {key.describe()}: {why}",
+        CudaWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def _hold_later(s: Stream, key: StreamId, owner: object, nbytes: int, ranges: Ranges) -> None:
+    """``hold()`` called inside a garbage collection (a finalizer), run at the
+    next library call: recorded later, it covers at least the work it was
+    asked to."""
+    if s.closed:  # closed meanwhile: what ran on it is not known
+        _keep_for_good(owner, key, "it was closed first", stacklevel=2)
+        return
+    on = _record_target(key)
+    if _waits_for_capture(on):
+        later(functools.partial(_hold_later, s, key, owner, nbytes, ranges))
+        return
+    try:
+        _record_hold(on, owner, nbytes, stacklevel=3, ranges=ranges)
+    except KernelError:  # the device faulted: work after the fault never runs
+        pass
+    except CudaError as exc:
+        _keep_for_good(owner, key, exc, stacklevel=2)
 
 
 class LeaseState(enum.Enum):
@@ -238,28 +298,9 @@ class _Lease:
         self.refs: dict[int, ViewLease] = {}
 
     def _target(self) -> StreamId:
-        """Where to record from this thread: the consumer's stream, or for
-        another thread's handle 2, the legacy stream (which waits for it)."""
-        key = self.key
-        if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
-            return StreamId(key.backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0)
-        return key
+        return _record_target(self.key)
 
-    @staticmethod
-    def _capturing(on: StreamId) -> bool:
-        """Whether a record on ``on`` must wait for a capture to end: ``on``
-        captures, or it is the legacy stream while a blocking stream of its
-        device captures (another thread's handle 2, say: any use of the legacy
-        stream would invalidate that capture). A stream that cannot say (gone,
-        faulted) need not: the record that follows fails the same way, and
-        deals with it."""
-        try:
-            with _OnDevice(on.backend, on.device, on.handle):
-                return _capture_guard.capturing(on.backend, on) is True
-        except CaptureError:  # the legacy stream, while a blocking stream captures
-            return True
-        except CudaError:
-            return False
+    _capturing = staticmethod(_waits_for_capture)
 
     def record_unless_used(self) -> bool:
         """``_lock`` held: record the hold now unless a view is in use again
@@ -296,13 +337,7 @@ class _Lease:
             self._end(LeaseState.DROPPED)
         except CudaError as exc:  # the stream is gone: its work may still run
             self._end(LeaseState.DROPPED)
-            _kept.append(owner)
-            warnings.warn(
-                f"kept {type(owner).__name__} alive for good: could not record a "
-                f"hold on {self.key.describe()}: {exc}",
-                CudaWarning,
-                stacklevel=5,
-            )
+            _keep_for_good(owner, self.key, exc, stacklevel=5)
         finally:
             if lifetime is not None:
                 lifetime.forget(self)  # (recorded: an owned stream may be destroyed now)
@@ -416,10 +451,11 @@ def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
             lease.ranges += tuple(r for r in ranges if r not in lease.ranges)
     if new and lease.lifetime is not None and not lease.lifetime.listen(lease):
         # the stream is closing: nothing more will run on it
-        with lease._lock, _in_use_lock:
-            lease._leave()
+        with lease._lock:
+            with _in_use_lock:
+                lease._leave()
             if lease.state is LeaseState.IN_USE:
-                lease._end(LeaseState.DROPPED)
+                lease._end(LeaseState.DROPPED)  # (the owner may go: outside the index lock)
         return None
     return ref
 

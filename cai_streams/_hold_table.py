@@ -32,6 +32,8 @@ from typing import Protocol
 from . import _observe
 from ._backend import Backend, CaptureMode
 from ._config import settings
+from ._deferred import in_collection, pending
+from ._deferred import run as run_deferred
 from ._errors import CudaError, HoldWarning
 from ._events import EventPool, Mark
 from ._identity import StreamId
@@ -219,7 +221,11 @@ class HoldTable:
             return True
 
     def sweep(self) -> None:
-        """Settle every released view, then release every completed hold."""
+        """Run what finalizers left, settle every released view, then release
+        every completed hold (nothing inside a garbage collection: see tick)."""
+        if in_collection():
+            return
+        run_deferred()
         for _ in range(len(self.released_views)):
             self._settle_one()
         self.aged = len(self.released_views)  # what is left waits for a capture to end
@@ -239,8 +245,14 @@ table = HoldTable()
 
 def tick() -> None:
     """Bounded release work, done by the shared poller on every pass and by
-    the library on entry: settle a few views released before the previous
-    tick, query a few holds. Never blocks."""
+    the library on entry: run what finalizers left (``_deferred``), settle a
+    few views released before the previous tick, query a few holds. Never
+    blocks; nothing inside a garbage collection (a finalizer calling in may
+    run while this thread holds a library lock)."""
+    if in_collection():
+        return
+    if pending():
+        run_deferred()
     if not table.busy:
         table.aged = 0  # nothing is queued
         return

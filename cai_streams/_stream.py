@@ -8,17 +8,20 @@ scheduler, the poller, the sanitizer and the tracer all use it.
 from __future__ import annotations
 
 import enum
+import functools
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from . import _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
+from ._deferred import later
 from ._errors import CaptureError, CudaError, CudaWarning
 from ._events import Mark, record
 from ._identity import (
+    ClosingListener,
     Lifetime,
     StreamId,
     backend_serial,
@@ -347,17 +350,10 @@ class Stream:
         lifetime = self._lifetime
         if lifetime is None:
             return
-        errors: list[BaseException] = []
         try:
-            for listener in lifetime.closing():
-                try:
-                    listener.stream_closing()
-                except Exception as exc:  # record every other one first
-                    errors.append(exc)
+            _tell_closing(lifetime.closing())
         finally:
             lifetime.close()
-        if errors:
-            raise errors[0]
 
     def __cuda_stream__(self) -> tuple[int, int]:
         return (0, self.handle)
@@ -393,16 +389,49 @@ class Stream:
             self._closed = True
             if _finalizing():  # the driver frees it with the context; its
                 return  # bindings may already be torn down
-            try:
-                # What listens (a consumer's read, a view's lease) may hold only
-                # a borrowed wrapper of its bare handle: record it while the
-                # stream exists, as close() does.
-                try:
-                    self._end_lifetime()
-                finally:
-                    self._backend.destroy_stream(self._handle)
-            except Exception as exc:  # never raise from a destructor
-                warnings.warn(f"leaked stream {self._handle:#x}: {exc}", CudaWarning, stacklevel=1)
+            lifetime = self._lifetime
+            # What listens (a consumer's read, a view's lease) may hold only a
+            # borrowed wrapper of its bare handle: it records while the stream
+            # exists, as at close(); at the next library call, since this may
+            # run inside one, holding its locks (see _deferred).
+            listeners = lifetime.closing() if lifetime is not None else ()
+            end = functools.partial(_end_stream, self._backend, self._handle, lifetime, listeners)
+            if listeners:
+                later(end)
+            else:
+                end()
+
+
+def _tell_closing(listeners: Iterable[ClosingListener]) -> None:
+    """Let each listener record while the stream exists; the first error
+    raises once every other one has been told."""
+    errors: list[BaseException] = []
+    for listener in listeners:
+        try:
+            listener.stream_closing()
+        except Exception as exc:  # record every other one first
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def _end_stream(
+    backend: Backend,
+    handle: int,
+    lifetime: Lifetime | None,
+    listeners: Iterable[ClosingListener],
+) -> None:
+    """A collected owned stream: what listened records, then it is destroyed.
+    Never raises (a warning says what leaked)."""
+    try:
+        try:
+            _tell_closing(listeners)
+        finally:
+            if lifetime is not None:
+                lifetime.close()
+            backend.destroy_stream(handle)
+    except Exception as exc:  # from a destructor, or a later library call
+        warnings.warn(f"leaked stream {handle:#x}: {exc}", CudaWarning, stacklevel=1)
 
 
 def as_stream(stream: object, backend: Backend) -> Stream:
