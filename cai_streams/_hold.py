@@ -143,7 +143,10 @@ def hold(owner: object, *, until: object) -> None:
     :class:`HoldWarning` is given once. Raises :class:`CaptureError` when
     ``until`` is capturing a graph: hold the owner for as long as the graph
     lives instead (or call ``hold`` on the stream the graph is launched on,
-    after the launch).
+    after the launch). Called from a finalizer run by a garbage collection
+    (which may start inside the library, holding its locks), the record is
+    made at the next library call instead: later, so it covers at least the
+    work enqueued before this call.
     """
     tick()
     if owner is None:
