@@ -40,6 +40,7 @@ import functools
 import threading
 import warnings
 import weakref
+from typing import Final
 
 from . import _capture_guard, _observe
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
@@ -248,6 +249,10 @@ def _view_released(ref: weakref.ref[ArrayView]) -> None:
     table.released_views.append(ref)  # type: ignore[arg-type]
 
 
+#: objects a lease keeps alive for the views that joined it (see _Lease.others);
+#: past this, a view starts a new lease, and the full one records on its own
+MAX_KEPT: Final = 8
+
 #: leases in use, by (stream, id of owner): while one is here it keeps its
 #: owner (so the id names one object), and every view of that owner handed to
 #: that stream joins it; it records once, after its last view is let go
@@ -286,10 +291,10 @@ class _Lease:
         # record; a wrapped stream object stays alive even if the wrapper is closed
         self.stream: Stream | None = stream
         self.keepalive: object = stream._keepalive
-        #: the other Stream objects (and what they keep alive) that views
-        #: joined through: a bare handle's wrapper first, then the Stream that
-        #: owns the stream, say; each may be all that keeps the stream alive
-        self.others: list[tuple[Stream, object]] = []
+        #: what else views joined through keeps alive (a Stream that owns the
+        #: stream, another library's stream object), when the first was a bare
+        #: handle, say: each may be all that keeps the stream alive
+        self.others: list[object] = []
         self.owner: object = view.owner
         self.nbytes = view.nbytes
         #: the memory of its views, for the sanitizer (see _view_ranges)
@@ -299,6 +304,10 @@ class _Lease:
         #: calls back only while it lives (``_in_use_lock``)
         self.views = 0
         self.refs: dict[int, ViewLease] = {}
+
+    def keeps(self, obj: object) -> bool:
+        """``_in_use_lock`` held: whether ``obj`` is kept alive already."""
+        return obj is self.stream or obj is self.keepalive or any(obj is x for x in self.others)
 
     def _target(self) -> StreamId:
         return _record_target(self.key)
@@ -438,15 +447,23 @@ def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
         return None
     key = stream._key()
     index = (key, id(owner))
+    # what may end the stream when collected: a Stream that owns it, or the
+    # object a wrapper keeps alive (another library's stream); a bare handle's
+    # wrapper keeps nothing
+    keep = stream if stream._owned else stream._keepalive
     with _in_use_lock:
         lease = _in_use.get(index)
+        if lease is not None and keep is not None and not lease.keeps(keep):
+            if len(lease.others) >= MAX_KEPT:  # a new object each handoff: bound the list
+                lease._leave()  # it records once its own views are let go
+                lease = None
+            else:
+                lease.others.append(keep)
         new = lease is None
         if lease is None:
             lease = _in_use[index] = _Lease(view, stream, key)
         lease.views += 1
         lease.nbytes = max(lease.nbytes, view.nbytes)
-        if stream is not lease.stream and all(stream is not x for x, _ in lease.others):
-            lease.others.append((stream, stream._keepalive))
         ref = ViewLease(view, lease)
         lease.refs[id(ref)] = ref
         if _observe.active:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import cai_streams as cs
-from cai_streams import _config, sim
+from cai_streams import _config, _hold, sim
 
 from .device_ops import DeviceOps, Latch
 
@@ -593,6 +593,30 @@ def test_a_stream_dropped_while_views_handed_through_another_object_are_in_use_r
     del other, successor
 
 
+def test_a_new_stream_object_on_every_handoff_keeps_each_lease_bounded(ops: DeviceOps) -> None:
+    """Views of one owner handed to one stream through a new object each time
+    (``torch.cuda.ExternalStream(handle)`` per call, say) while earlier views
+    are still in use: each lease keeps at most MAX_KEPT of the objects, a full
+    one records on its own once its views go, and the owner still lives until
+    the stream passes the work enqueued while any view was in use."""
+    s = cs.Stream()
+    latch = ops.latch(s)
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    start = cs.stats()
+    views = [cs.consume_blocking(box, stream=_ExternalStream(s.handle)) for _ in range(40)]
+    leases = [lease for (key, owner), lease in _hold._in_use.items() if owner == id(box)]
+    assert len(leases) == 1 and len(leases[0].others) <= _hold.MAX_KEPT
+    del views, box
+    end = cs.stats()
+    made = end["holds_made"] - start["holds_made"]
+    assert _hold.MAX_KEPT < 40
+    assert 40 // (_hold.MAX_KEPT + 1) <= made <= 40 // _hold.MAX_KEPT + 1  # (one: unbounded)
+    assert ref() is not None
+    latch.release()
+    assert released_soon(ref)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_random_view_lifetimes_keep_each_owner_while_work_enqueued_in_its_views_use_is_pending(
     ops: DeviceOps, seed: int
@@ -792,7 +816,9 @@ def test_a_view_on_another_threads_stream_2_settled_while_this_threads_stream_2_
     box = Box(ops.array(np.zeros(64, np.float32)))
     ref = weakref.ref(box)
     got: list[cs.ArrayView] = []
-    worker = threading.Thread(target=lambda: got.append(cs.consume_blocking(box, stream=2)))
+    worker = threading.Thread(
+        target=lambda b: got.append(cs.consume_blocking(b, stream=2)), args=(box,)
+    )
     worker.start()
     worker.join(WAIT)
     del box
