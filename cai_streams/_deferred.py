@@ -20,12 +20,14 @@ least as much: a hold recorded later keeps its owner longer, never shorter.
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
-__all__ = ["in_collection", "later", "pending", "run"]
+__all__ = ["as_finalizer", "in_collection", "later", "pending", "run"]
 
 #: threads in which a garbage collection runs now (its finalizers with it)
 _collecting: set[int] = set()
@@ -49,6 +51,24 @@ def in_collection() -> bool:
     return bool(_collecting) and threading.get_ident() in _collecting
 
 
+class as_finalizer:  # noqa: N801 - used as a function: ``with as_finalizer():``
+    """``with as_finalizer():`` what the block lets go may run finalizers that
+    call the library while this thread may hold its locks (a garbage
+    collection's own hook, after the collector says it stopped): treated as
+    inside a collection."""
+
+    __slots__ = ("_added",)
+
+    def __enter__(self) -> None:
+        ident = threading.get_ident()
+        self._added = ident not in _collecting
+        _collecting.add(ident)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._added:
+            _collecting.discard(threading.get_ident())
+
+
 def later(work: Callable[[], None]) -> None:
     """Run ``work`` at the next library call, outside any lock. Only appends."""
     _queue.append(work)
@@ -60,8 +80,9 @@ def pending() -> bool:
 
 def run() -> None:
     """Run the work queued so far (nothing inside a collection): what a
-    piece queues again waits for the next call. Each piece reports its own
-    failures (as warnings); none stops the others."""
+    piece queues again waits for the next call. A piece that fails is
+    reported as a finalizer's failure is (``sys.unraisablehook``), not raised
+    into whatever library call came next; none stops the others."""
     if in_collection():
         return
     for _ in range(len(_queue)):
@@ -69,4 +90,20 @@ def run() -> None:
             work = _queue.popleft()
         except IndexError:  # another thread ran it
             return
-        work()
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - reported as unraisable
+            sys.unraisablehook(_Unraisable(exc, work))
+
+
+class _Unraisable:
+    """What ``sys.unraisablehook`` reads (its own argument type cannot be made)."""
+
+    def __init__(self, exc: BaseException, work: object) -> None:
+        self.exc_type: type[BaseException] = type(exc)
+        self.exc_value: BaseException | None = exc
+        self.exc_traceback: TracebackType | None = exc.__traceback__
+        self.err_msg: str | None = (
+            "Exception ignored in work a finalizer left for the next library call"
+        )
+        self.object: object = work

@@ -34,6 +34,7 @@ from typing import Any, Final
 
 from . import _dlpack
 from ._backend import Backend
+from ._deferred import as_finalizer
 from ._identity import stream_id_now
 from ._interface import ArrayView
 from ._scheduler import scheduler_for
@@ -300,7 +301,10 @@ def export_view(
 
 def _after_collection(phase: str, info: dict[str, Any]) -> None:
     if phase == "stop" and _untaken:
-        sweep()
+        # the collection may have started inside the library, holding its
+        # locks: what the sweep lets go calls back in as a finalizer would
+        with as_finalizer():
+            sweep()
 
 
 gc.callbacks.append(_after_collection)

@@ -14,7 +14,16 @@ from ._backend import Backend
 from ._errors import CudaError, CudaWarning
 from ._identity import StreamId
 
-__all__ = ["EventPool", "Mark", "of_backend", "pool_for", "pools_of", "record", "registered"]
+__all__ = [
+    "EventPool",
+    "Mark",
+    "of_backend",
+    "place",
+    "pool_for",
+    "pools_of",
+    "record",
+    "registered",
+]
 
 _order = itertools.count()
 #: a record and its place in record order are taken together: two threads
@@ -49,6 +58,16 @@ def record(backend: Backend, event: int, key: StreamId) -> Mark:
         backend.record(event, key.handle)
         seq = next(_order)
     return Mark(key, seq, captured)
+
+
+def place(key: StreamId, captured: bool = False) -> Mark:
+    """A :class:`Mark` for an event recorded on ``key`` earlier, outside the
+    record lock (by a finalizer: see ``_deferred``): its place is taken now,
+    after every record placed so far, which is later than where it landed in
+    its stream. Safe for every reader of marks: a later place only makes a
+    record count as done later, never sooner."""
+    with _record_lock:
+        return Mark(key, next(_order), captured)
 
 
 #: free events kept for reuse; beyond this they are destroyed

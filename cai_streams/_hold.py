@@ -46,7 +46,7 @@ from . import _capture_guard, _observe
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._deferred import in_collection, later
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
-from ._events import pool_for, record
+from ._events import place, pool_for, record
 from ._hold_table import Hold, Ranges, table, tick
 from ._identity import Lifetime, StreamId, thread_serial
 from ._interface import ArrayView, byte_range, parse
@@ -144,10 +144,9 @@ def hold(owner: object, *, until: object) -> None:
     :class:`HoldWarning` is given once. Raises :class:`CaptureError` when
     ``until`` is capturing a graph: hold the owner for as long as the graph
     lives instead (or call ``hold`` on the stream the graph is launched on,
-    after the launch). Called from a finalizer run by a garbage collection
-    (which may start inside the library, holding its locks), the record is
-    made at the next library call instead: later, so it covers at least the
-    work enqueued before this call.
+    after the launch). Safe in a finalizer: run by a garbage collection (which
+    may start inside the library, holding its locks), it records through the
+    backend alone, and the hold joins the others at the next library call.
     """
     tick()
     if owner is None:
@@ -163,8 +162,8 @@ def hold(owner: object, *, until: object) -> None:
             "launch on the stream it was launched on."
         )
     key, ranges = s._key(), _owner_ranges(owner)
-    if in_collection():  # a finalizer, maybe inside a library lock: at the next call
-        later(functools.partial(_hold_later, s, key, owner, nbytes_of(owner), ranges))
+    if in_collection():  # a finalizer, maybe inside a library lock
+        _record_in_collection(key, owner, nbytes_of(owner), ranges)
         return
     _record_hold(key, owner, nbytes_of(owner), stacklevel=2, ranges=ranges)
 
@@ -204,23 +203,32 @@ def _keep_for_good(owner: object, key: StreamId, why: object, stacklevel: int) -
     )
 
 
-def _hold_later(s: Stream, key: StreamId, owner: object, nbytes: int, ranges: Ranges) -> None:
-    """``hold()`` called inside a garbage collection (a finalizer), run at the
-    next library call: recorded later, it covers at least the work it was
-    asked to."""
-    if s.closed:  # closed meanwhile: what ran on it is not known
-        _keep_for_good(owner, key, "it was closed first", stacklevel=2)
-        return
-    on = _record_target(key)
-    if _waits_for_capture(on):
-        later(functools.partial(_hold_later, s, key, owner, nbytes, ranges))
-        return
+def _record_in_collection(key: StreamId, owner: object, nbytes: int, ranges: Ranges) -> None:
+    """``hold()`` inside a garbage collection (a finalizer, maybe while this
+    thread holds a library lock): the record is made now, on a new event and
+    by the backend alone (no library lock), so it lands where it was asked
+    for, whatever becomes of the stream or its handle; the hold joins the
+    table at the next library call (``_deferred``)."""
+    backend = key.backend
     try:
-        _record_hold(on, owner, nbytes, stacklevel=3, ranges=ranges)
+        with _OnDevice(backend, key.device, key.handle):
+            event = backend.create_event(key.device)
+            try:
+                backend.record(event, key.handle)
+            except BaseException:
+                backend.destroy_event(event)
+                raise
     except KernelError:  # the device faulted: work after the fault never runs
-        pass
+        return
     except CudaError as exc:
-        _keep_for_good(owner, key, exc, stacklevel=2)
+        _keep_for_good(owner, key, exc, stacklevel=3)
+        return
+    later(functools.partial(_join_table, key, event, owner, nbytes, ranges))
+
+
+def _join_table(key: StreamId, event: int, owner: object, nbytes: int, ranges: Ranges) -> None:
+    pool = pool_for(key.backend, key.device)  # the event returns to it once complete
+    table.add(Hold(pool, event, place(key), owner, nbytes, ranges), stacklevel=3)
 
 
 class LeaseState(enum.Enum):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
-from ._deferred import later
+from ._deferred import in_collection, later
 from ._errors import CaptureError, CudaError, CudaWarning
 from ._events import Mark, record
 from ._identity import (
@@ -337,6 +337,11 @@ class Stream:
                 "would be left under way, refusing the host syncs it forbids); call "
                 "end_capture() first"
             )
+        if self._owned and in_collection():  # a finalizer, maybe inside a library lock
+            self._closed = True
+            self._keepalive = None
+            self._end_later()
+            return
         try:
             if self._owned:
                 self._end_lifetime()
@@ -345,6 +350,13 @@ class Stream:
             self._keepalive = None
             if self._owned:
                 self._backend.destroy_stream(self._handle)
+
+    def _end_later(self) -> None:
+        """What listens records, then the stream is destroyed: at the next
+        library call, outside any lock (see _deferred). Only appends."""
+        lifetime = self._lifetime
+        listeners = lifetime.closing() if lifetime is not None else ()
+        later(functools.partial(_end_stream, self._backend, self._handle, lifetime, listeners))
 
     def _end_lifetime(self) -> None:
         lifetime = self._lifetime
@@ -393,10 +405,11 @@ class Stream:
             # What listens (a consumer's read, a view's lease) may hold only a
             # borrowed wrapper of its bare handle: it records while the stream
             # exists, as at close(); at the next library call, since this may
-            # run inside one, holding its locks (see _deferred).
+            # run inside one, holding its locks (see _deferred); so does all of
+            # it in a garbage collection.
             listeners = lifetime.closing() if lifetime is not None else ()
             end = functools.partial(_end_stream, self._backend, self._handle, lifetime, listeners)
-            if listeners:
+            if listeners or in_collection():
                 later(end)
             else:
                 end()

@@ -15,6 +15,7 @@ import gc
 import subprocess
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -158,6 +159,119 @@ def a_collected_stream_ends_at_the_next_library_call() -> None:
     assert _released_soon(ref)
 
 
+def hold_in_a_collection_lands_where_asked_whatever_becomes_of_the_handle() -> None:
+    """``hold(owner, until=<another library's stream handle>)`` from a
+    finalizer run by a collection is recorded at once, by the backend: the
+    other library then destroys its stream (its work still runs) and the next
+    stream gets the handle; a record made later would land on that idle one,
+    the owner would go under the latched reader, and the allocator would hand
+    its block to the next array, whose data the reader would copy."""
+    ops, backend = SimOps(), cs.current_backend()
+    raw = backend.create_stream()
+    s = cs.Stream.wrap(raw)
+    buf = ops.array(np.full(256, 1.0, np.float32))
+    out = ops.array(np.zeros(256, np.float32))
+    latch = ops.latch(s)
+    ops.copy(s, out, buf)  # reads buf, behind the latch
+    done = backend.create_event()
+    backend.record(done, raw)
+    del s
+    held: list[weakref.ref[Any]] = []
+
+    class Freer:  # frees its buffer stream-ordered
+        def __init__(self, buf: Any) -> None:
+            self.me, self.buf = self, buf
+
+        def __del__(self) -> None:
+            held.append(weakref.ref(self.buf))
+            cs.hold(self.buf, until=raw)
+
+    Freer(buf)
+    del buf
+    gc.collect()  # runs Freer.__del__ inside the collection
+    backend.destroy_stream(raw)  # the other library is done with it...
+    successor = backend.create_stream()  # ...and makes another (the same handle, here)
+    for _ in range(20):
+        cs.stats()
+        threading.Event().wait(0.001)
+    assert held[0]() is not None
+    other = ops.array(np.full(256, 9.0, np.float32))  # would take a freed block
+    latch.release()
+    backend.synchronize_event(done)
+    assert ops.to_host(out)[0] == 1.0
+    del other
+    backend.destroy_stream(successor)
+
+
+def a_buffer_owning_its_stream_freed_in_a_cycle() -> None:
+    """A buffer that owns its stream and frees itself stream-ordered in
+    ``__del__``, garbage in a cycle: the collection finalizes the buffer (its
+    hold) and the stream in one pass; the memory is released once the work
+    before the hold completed, not kept for good."""
+    released: list[weakref.ref[_Memory]] = []
+
+    class Buffer:
+        def __init__(self) -> None:
+            self.me = self
+            self.stream = cs.Stream()
+
+        def __del__(self) -> None:
+            memory = _Memory()
+            released.append(weakref.ref(memory))
+            cs.hold(memory, until=self.stream)
+
+    Buffer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "kept ... alive for good" would raise
+        gc.collect()
+        assert len(released) == 1
+        assert _released_soon(released[0])
+
+
+def close_from_a_finalizer_in_a_collection_inside_a_record() -> None:
+    """A finalizer that closes its stream (listened to by a view handed
+    through its bare handle), run by a collection that started inside a
+    record: the close is finished at the next library call, which records the
+    view's hold first."""
+    ops = SimOps()
+    backend = cs.current_backend()
+    s = cs.Stream()
+    box = _Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    view = cs.consume_blocking(box, stream=s.handle)
+    latch = ops.latch(s)
+
+    class Worker:
+        def __init__(self, stream: cs.Stream) -> None:
+            self.me, self.stream = self, stream
+
+        def __del__(self) -> None:
+            self.stream.close()
+
+    gc.disable()  # (no collection before the one started inside the record)
+    Worker(s)  # garbage; the stream is not (this function holds it): it is closed, not collected
+    record = backend.record
+    collect = [True]
+
+    def record_collecting(event: int, stream: int) -> None:
+        if collect and collect.pop():
+            gc.collect()
+        record(event, stream)
+
+    backend.record = record_collecting  # type: ignore[method-assign]
+    try:
+        cs.hold(object(), until=cs.Stream())
+    finally:
+        del backend.record
+        gc.enable()
+    assert not collect and s.closed
+    del view, box
+    cs.stats()
+    assert ref() is not None  # recorded behind the latch, before the stream went
+    latch.release()
+    assert _released_soon(ref)
+
+
 def _bounded(scenario: Callable[[], None]) -> None:
     """Run ``scenario`` (a function of this module) in a fresh interpreter on
     the simulator; fail, not hang, if it does not end."""
@@ -184,6 +298,9 @@ def _bounded(scenario: Callable[[], None]) -> None:
         hold_in_a_collection_inside_a_record,
         hold_from_an_owner_the_event_pool_lets_go,
         a_collected_stream_ends_at_the_next_library_call,
+        hold_in_a_collection_lands_where_asked_whatever_becomes_of_the_handle,
+        a_buffer_owning_its_stream_freed_in_a_cycle,
+        close_from_a_finalizer_in_a_collection_inside_a_record,
     ],
     ids=lambda f: f.__name__,
 )
