@@ -86,6 +86,7 @@ class Point:
         self.watchers: list[SimStream] = []
 
     def set(self) -> None:
+        """Reached: wake the streams that wait for it."""
         self.done.set()  # first: a stream that registers from now on sees it set
         watchers, self.watchers = self.watchers, []
         for stream in watchers:
