@@ -326,8 +326,9 @@ async def test_a_ring_that_chains_the_next_bell_makes_no_pass(
     n = 8
     # kernels 5 ms apart are sparse for a 1 ms cap: each ring chains the next
     # bell, and the stream always has one; the fallback outlasts the test
-    policy = cs.PollPolicy(spin=0, first=0.001, growth=1.0, cap=0.001, fallback=SLOW * 2,
-                           wake="doorbell")  # fmt: skip
+    policy = cs.PollPolicy(
+        spin=0, first=0.001, growth=1.0, cap=0.001, fallback=SLOW * 2, wake="doorbell"
+    )
     quiet = await _counts_for_kernels_5_ms_apart(n, policy)
 
     def always_wake(self: _doorbell.PollerBells, *args: object, chained: bool) -> None:
