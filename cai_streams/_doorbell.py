@@ -9,7 +9,9 @@ called by the driver's thread with the descriptor as its argument: no Python
 and no GIL there. The read end then reports end-of-file, and the loop's own
 selector wakes the loop, with no thread of ours in between. A fired bell
 means its event is complete, so the poller wakes that event's waiters without
-a query, then makes one pass at once for whatever else completed. A
+a query, then makes one pass at once for whatever else completed; while every
+pending stream has a bell and the ring chains the next, there is nothing else
+to find, and the next bell is armed without the pass. A
 producer's stream never waits behind a bell: only the lane does.
 
 The poller stays in charge. A stream's oldest pending event gets a bell when
@@ -126,6 +128,17 @@ class Woken(enum.Enum):
     RUNG = "rung"
     #: something asked for a pass over every stream (a bell refused, say)
     PASS = "pass"
+
+
+class Nap(enum.Enum):
+    """What the poller task is doing, as far as a ring is concerned."""
+
+    #: not sleeping between passes (it arms the chained heads itself next)
+    AWAKE = "awake"
+    #: sleeping its fast cadence: some pending stream has no bell
+    POLLING = "polling"
+    #: sleeping ``fallback``: every pending stream's oldest event has a bell
+    COVERED = "covered"
 
 
 class Armable(Protocol):
@@ -623,11 +636,18 @@ class PollerBells:
         #: ends the sleep in progress (None: none is)
         self._wake: Callable[[], object] | None = None
         #: sleeps at most its argument; True if the time ran out
-        self._nap: Callable[[float], Awaitable[bool]] | None = None
+        self._napper: Callable[[float], Awaitable[bool]] | None = None
         self._woken = Woken.NO
         #: the next heads of streams whose bell rang: armed by the poller task
         #: in its next sleep, so that the waiters the ring woke resume first
         self._chained: list[tuple[Armable, Hashable]] = []
+        #: the poller's sleep in progress: whether every pending stream has a
+        #: bell (it sleeps ``fallback``: a ring need not wake it)
+        self._nap = Nap.AWAKE
+        #: a call of ``arm_chained`` is scheduled in the loop (asyncio, uvloop)
+        self._arming_soon = False
+        #: whether the loop can run a callback soon without a system call
+        self._call_soon = False
 
     def _bind(self) -> Callable[[_Bell], None]:
         watch = self._watch
@@ -642,6 +662,7 @@ class PollerBells:
 
                 self._unwatch = _trio_unwatch
             else:  # asyncio, uvloop
+                self._call_soon = True
                 # Only a weak reference: anyio keeps the poller in a RunVar keyed
                 # weakly by the loop, which a strong one would keep alive forever.
                 loop_ref = weakref.ref(asyncio.get_running_loop())
@@ -736,6 +757,37 @@ class PollerBells:
         if self._wake is not None:
             self._wake()
 
+    def rang(
+        self, queues: Mapping[Hashable, Sequence[Armable]], mode: WakeMode, *, chained: bool
+    ) -> None:
+        """Bells rang, and the poller woke their waiters. ``chained``: every
+        stream that rang has its next head chained, or nothing left. Then, while
+        the poller sleeps its ``fallback`` because every stream has a bell, it
+        sleeps on (a pass would query nothing: every other head rings for
+        itself; the passes every ``fallback`` still come), and the chained heads
+        are armed in the loop's next turn, after the waiters the ring woke
+        (asyncio, uvloop). Otherwise the poller is woken for a pass."""
+        if not (chained and self._nap is Nap.COVERED and self._call_soon):
+            self.wake_now(Woken.RUNG)
+        elif not self._arming_soon:
+            self._arming_soon = True
+            asyncio.get_running_loop().call_soon(self._arm_soon, queues, mode)
+
+    def _arm_soon(self, queues: Mapping[Hashable, Sequence[Armable]], mode: WakeMode) -> None:
+        self._arming_soon = False
+        self.arm_chained(queues, mode)
+
+    def arm_chained(self, queues: Mapping[Hashable, Sequence[Armable]], mode: WakeMode) -> None:
+        """Arm the chained heads that are still their stream's oldest pending
+        event (a refused one is retried once; one refused again asks for a pass)."""
+        chained, self._chained = self._chained, []
+        for entry, key in dict.fromkeys(chained):  # once each
+            queue = queues.get(key)
+            if queue and queue[0] is entry:  # still its stream's oldest pending event
+                if entry.bell is BellState.REFUSED:  # no lane then (waiters came out of
+                    entry.bell = BellState.UNARMED  # record order, say): try once more
+                self.arm(entry, key, mode)
+
     def chain(self, entry: Armable, key: Hashable) -> None:
         """``entry`` became its stream's head when a bell rang there: arm it in
         the poller's next sleep. Arming makes system calls (a pipe, the
@@ -782,13 +834,7 @@ class PollerBells:
         once the poller has backed off to ``cap``, every stream's oldest pending
         event gets a bell and the poller sleeps ``fallback`` instead. The next
         head of a stream whose bell rang gets one first, whatever ``delay``."""
-        chained, self._chained = self._chained, []
-        for entry, key in dict.fromkeys(chained):  # once each: a refused one is retried once
-            queue = queues.get(key)
-            if queue and queue[0] is entry:  # still its stream's oldest pending event
-                if entry.bell is BellState.REFUSED:  # no lane then (waiters came out of
-                    entry.bell = BellState.UNARMED  # record order, say): try once more
-                self.arm(entry, key, mode)
+        self.arm_chained(queues, mode)
         backed_off = delay >= cap
         covered = bool(queues)
         for key, queue in queues.items():
@@ -801,9 +847,11 @@ class PollerBells:
             delay = max(delay, fallback)
         woken: Woken = self._woken
         if woken is Woken.NO:
+            self._nap = Nap.COVERED if covered else Nap.POLLING
             try:
-                timed_out = await (self._nap or self._bind_nap())(delay)
+                timed_out = await (self._napper or self._bind_nap())(delay)
             finally:
+                self._nap = Nap.AWAKE
                 woken, self._woken = self._woken, Woken.NO
             # a pass that is due is a full one, whatever rang meanwhile
             return Woken.PASS if timed_out or woken is Woken.NO else woken
@@ -842,7 +890,7 @@ class PollerBells:
                     timer.cancel()
                     self._wake = None
 
-        self._nap = nap
+        self._napper = nap
         return nap
 
 

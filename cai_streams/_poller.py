@@ -229,15 +229,17 @@ class _Poller:
     def _rang(self, fired: list[Fired]) -> None:
         """Bells fired (in the loop): each one's event is complete, and so is every
         event recorded before it on its stream. Wake their waiters now, without a
-        query. Then the poller runs (after the woken waiters, under asyncio): a
-        pass takes whatever else completed meanwhile, and the next head of each
-        stream that rang gets a bell."""
+        query. The next head of each stream that rang gets a bell after the
+        woken waiters resume (under asyncio). Then the poller runs a pass for
+        whatever else completed, unless every pending stream has a bell and
+        each one that rang chained its next (``PollerBells.rang``)."""
         # Completions that come less than ``cap`` apart on average: the passes,
         # at their fast cadence while they keep finding work, see the next
         # ones about as soon as a bell would, for a query each instead of a
         # bell each (a pipe, the selector, the notifier stream). Only while
         # completions are sparse does a bell that rang chain the next one.
         sparse: bool | None = None  # found on the first completion a pass did not take
+        chained = True  # every stream that rang has its next head chained, or none left
         for entry, key in fired:
             queue = self.queues.get(key)
             assert isinstance(entry, _Entry)
@@ -263,9 +265,11 @@ class _Poller:
             if queue:
                 if sparse:  # a bell that won keeps its stream rung: its next head
                     self.bells.chain(queue[0], key)  # gets one after the waiters resume
+                else:
+                    chained = False
             else:
                 del self.queues[key]
-        self.bells.wake_now(Woken.RUNG)
+        self.bells.rang(self.queues, _policy.wake, chained=chained and bool(self.queues))
 
     def _completed(self) -> float:
         """A bell or a pass found an event complete now: update the moving

@@ -260,6 +260,11 @@ async def test_the_pass_after_a_ring_skips_streams_whose_bell_is_armed() -> None
 async def _bells_for_kernels_5_ms_apart(n: int, policy: cs.PollPolicy) -> int:
     """Under ``policy``: the bells armed while ``n`` waiters, all in place
     first, wait for ``n`` kernels of one stream that end 5 ms apart."""
+    return (await _counts_for_kernels_5_ms_apart(n, policy))["doorbells_armed"]
+
+
+async def _counts_for_kernels_5_ms_apart(n: int, policy: cs.PollPolicy) -> dict[str, int]:
+    """The same: how every counter of ``cs.stats()`` changed."""
     cs.use_backend("sim")
     cs.configure(poll=policy)
     s = cs.Stream()
@@ -272,7 +277,8 @@ async def _bells_for_kernels_5_ms_apart(n: int, policy: cs.PollPolicy) -> int:
     async with anyio.create_task_group() as tg:
         for event in events:
             tg.start_soon(event.wait)
-    return _settled()["doorbells_armed"] - before["doorbells_armed"]
+    after = _settled()
+    return {key: after[key] - before[key] for key in before}
 
 
 @pytest.mark.parametrize("cap", [SLOW * 2, 0.001])
@@ -304,6 +310,37 @@ async def test_a_ring_keeps_the_poller_from_backing_off_into_a_bell_per_completi
     )
     armed = await _bells_for_kernels_5_ms_apart(n, policy)
     assert armed < n / 2, armed
+
+
+async def test_a_ring_that_chains_the_next_bell_makes_no_pass(
+    anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While every pending stream has a bell the poller sleeps its fallback,
+    and a ring that chains its stream's next bell leaves it asleep: the
+    waiters are woken and the bell armed in the loop's next turn, without
+    the poller's pass (which would query nothing: every other stream rings
+    for itself) and its new sleep. The control: a ring that always wakes the
+    poller, as before, makes a pass per ring. (Under trio a ring always does.)"""
+    if anyio_backend != "asyncio":
+        pytest.skip("under trio a ring always wakes the poller")
+    n = 8
+    # kernels 5 ms apart are sparse for a 1 ms cap: each ring chains the next
+    # bell, and the stream always has one; the fallback outlasts the test
+    policy = cs.PollPolicy(
+        spin=0, first=0.001, growth=1.0, cap=0.001, fallback=SLOW * 2, wake="doorbell"
+    )
+    quiet = await _counts_for_kernels_5_ms_apart(n, policy)
+
+    def always_wake(self: _doorbell.PollerBells, *args: object, chained: bool) -> None:
+        self.wake_now(_doorbell.Woken.RUNG)
+
+    monkeypatch.setattr(_doorbell.PollerBells, "rang", always_wake)
+    woken = await _counts_for_kernels_5_ms_apart(n, policy)
+    for counts in (quiet, woken):  # every wait was a bell's, and each one rang
+        assert counts["doorbells_armed"] == counts["doorbells_fired"] == n, counts
+        assert counts["poll_wakes"] == n, counts
+    assert woken["poll_passes"] >= n, woken
+    assert quiet["poll_passes"] <= 3, quiet
 
 
 async def test_a_fault_under_an_armed_bell_is_found_while_other_bells_ring() -> None:

@@ -73,12 +73,24 @@ def raise_fault(fault: KernelError) -> None:
 
 
 class Point:
-    """A position in one stream's FIFO; set once every earlier operation ran."""
+    """A position in one stream's FIFO; set once every earlier operation ran.
 
-    __slots__ = ("done",)
+    A stream whose next operation waits for it is woken when it is set, and
+    not before: a driver wakes no host thread for a stream wait."""
+
+    __slots__ = ("done", "watchers")
 
     def __init__(self) -> None:
         self.done = threading.Event()
+        #: streams whose next operation waits for this point
+        self.watchers: list[SimStream] = []
+
+    def set(self) -> None:
+        """Reached: wake the streams that wait for it."""
+        self.done.set()  # first: a stream that registers from now on sees it set
+        watchers, self.watchers = self.watchers, []
+        for stream in watchers:
+            stream.wake()
 
 
 class SimEvent:
@@ -191,16 +203,41 @@ class SimStream:
         return self._thread
 
     def push(self, *ops: _Op) -> None:
-        """Append ``ops``; starts the worker if it was not (outside the lock)."""
+        """Append ``ops``; starts the worker if it was not (outside the lock).
+        The worker is woken only if it can run the first of them now (not for
+        a wait on a point not reached: that point wakes it)."""
         with self._cv:
             if self._closed:
                 raise sim_error(400, f"stream {self.handle:#x} was destroyed")
+            was_empty = not self._ops
             self._ops.extend(ops)
             thread = self._new_worker()
             if thread is None:
-                self._cv.notify()
+                if was_empty and self._ready():
+                    self._cv.notify()
                 return
         thread.start()
+
+    def wake(self) -> None:
+        """A point this stream's next operation waits for was reached."""
+        with self._cv:
+            self._cv.notify()
+
+    def _ready(self) -> bool:
+        """Lock held: whether the worker can run its next operation now; a wait
+        for a point not reached yet registers this stream to be woken by it."""
+        ops = self._ops
+        if not ops:
+            return False
+        op = ops[0]
+        if op[0] != "wait":
+            return True
+        point: Point = op[1]
+        if point.done.is_set():
+            return True
+        if self not in point.watchers:
+            point.watchers.append(self)
+        return point.done.is_set()  # set meanwhile: its wake may have come before
 
     def is_idle(self) -> bool:
         """Whether every operation enqueued so far has run (cudaStreamQuery)."""
@@ -246,7 +283,14 @@ class SimStream:
         while True:
             with self._cv:
                 self._running = False
-                while not self._ops and not self._closed:
+                while not self._ready():
+                    if self._ops:  # a wait for a point not reached: it wakes us
+                        if self._backend.closing:
+                            return
+                        self._cv.wait(0.05)
+                        continue
+                    if self._closed:
+                        break
                     if self._reclaimed:
                         self._closed = True
                         break
@@ -255,18 +299,22 @@ class SimStream:
                     # closed and drained: a reclaimed per-thread stream stops
                     # being one the legacy stream synchronizes with only now
                     self.device.blocking.discard(self)
-                    self._drained.done.set()
-                    return
-                op = self._ops.popleft()
-                self._running = True
+                    drained = True
+                else:
+                    drained = False
+                    op = self._ops.popleft()
+                    self._running = True
+            if drained:
+                self._drained.set()  # outside the lock: it wakes the streams waiting for it
+                return
             kind = op[0]
             if kind == "kernel":
                 self._run_kernel(op[1], op[2], op[3], op[4])
             elif kind == "mark":
-                op[1].done.set()
+                op[1].set()
             elif kind == "wait":
                 waited: Point = op[1]
-                while not waited.done.wait(0.05):
+                while not waited.done.wait(0.05):  # reached: returns at once
                     if self._backend.closing:
                         return
             elif kind == "host":
