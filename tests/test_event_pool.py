@@ -3,14 +3,14 @@ queries as possible, and a long kernel holds up no one else's reuse."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import pytest
 
 import cai_streams as cs
-from cai_streams import sim
 from cai_streams._events import EventPool
+
+from .device_ops import DeviceOps, Latch
 
 
 class _Queries:
@@ -40,18 +40,18 @@ class _Queries:
 
 
 @pytest.fixture
-def held() -> Iterator[tuple[cs.Stream, threading.Event]]:
-    """A stream whose work waits for the gate (bounded)."""
-    s, gate = cs.Stream(), threading.Event()
-    sim.launch(s, lambda: gate.wait(30), name="gate")
-    yield s, gate
-    gate.set()
+def held(ops: DeviceOps) -> Iterator[tuple[cs.Stream, Latch]]:
+    """A stream whose work waits for a latch (released at teardown)."""
+    s = cs.Stream()
+    latch = ops.latch(s)
+    yield s, latch
+    latch.release()
     s.synchronize()
     s.close()
 
 
 def test_a_release_behind_pending_work_spends_one_query(
-    held: tuple[cs.Stream, threading.Event],
+    held: tuple[cs.Stream, Latch],
 ) -> None:
     s, _ = held
     backend = cs.current_backend()
@@ -68,14 +68,14 @@ def test_a_release_behind_pending_work_spends_one_query(
 
 
 def test_a_long_kernel_holds_up_no_one_elses_reuse(
-    held: tuple[cs.Stream, threading.Event],
+    held: tuple[cs.Stream, Latch],
 ) -> None:
-    slow, gate = held
+    slow, _ = held
     idle = cs.Stream()
     backend = cs.current_backend()
     pool = EventPool(backend)
     first, second, third = pool.acquire(), pool.acquire(), pool.acquire()
-    backend.record(first, slow.handle)  # pending until the gate opens
+    backend.record(first, slow.handle)  # pending until the latch is released
     pool.release(first)
     for event in (second, third):
         backend.record(event, idle.handle)
@@ -84,12 +84,11 @@ def test_a_long_kernel_holds_up_no_one_elses_reuse(
     # the completed ones are handed out again, the pending one is not
     assert {pool.acquire(), pool.acquire()} == {second, third}
     assert pool.created == 3
-    assert not gate.is_set()
     idle.close()
 
 
 def test_reclaim_moves_every_completed_event_past_pending_ones(
-    held: tuple[cs.Stream, threading.Event],
+    held: tuple[cs.Stream, Latch],
 ) -> None:
     """What ``cs.stats()`` reports: ``reclaim()`` takes every completed event,
     not just those before the first pending one."""
