@@ -17,8 +17,8 @@ from ._identity import StreamId
 __all__ = [
     "EventPool",
     "Mark",
+    "lone",
     "of_backend",
-    "place",
     "pool_for",
     "pools_of",
     "record",
@@ -60,14 +60,20 @@ def record(backend: Backend, event: int, key: StreamId) -> Mark:
     return Mark(key, seq, captured)
 
 
-def place(key: StreamId, captured: bool = False) -> Mark:
-    """A :class:`Mark` for an event recorded on ``key`` earlier, outside the
-    record lock (by a finalizer: see ``_deferred``): its place is taken now,
-    after every record placed so far, which is later than where it landed in
-    its stream. Safe for every reader of marks: a later place only makes a
-    record count as done later, never sooner."""
-    with _record_lock:
-        return Mark(key, next(_order), captured)
+#: the generations of lone marks' keys (negative: no stream the library made has one)
+_lone = itertools.count(1)
+
+
+def lone(key: StreamId) -> Mark:
+    """A :class:`Mark` for an event recorded on ``key``'s stream outside the
+    record lock (by a finalizer: see ``_deferred``), whose place among that
+    stream's other records is not known. It gets a key of its own (the same
+    stream's handle, device and thread, a generation no record shares), so
+    nothing is inferred from it: a hold table that releases every hold
+    recorded before one found done (record order) releases it by its own
+    query alone, and it releases no other."""
+    own = StreamId(key.backend, key.device, key.handle, -next(_lone), key.thread)
+    return Mark(own, next(_order), False)
 
 
 #: free events kept for reuse; beyond this they are destroyed

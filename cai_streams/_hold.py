@@ -46,7 +46,7 @@ from . import _capture_guard, _observe
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._deferred import in_collection, later
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
-from ._events import place, pool_for, record
+from ._events import lone, pool_for, record
 from ._hold_table import Hold, Ranges, table, tick
 from ._identity import Lifetime, StreamId, thread_serial
 from ._interface import ArrayView, byte_range, parse
@@ -208,7 +208,8 @@ def _record_in_collection(key: StreamId, owner: object, nbytes: int, ranges: Ran
     thread holds a library lock): the record is made now, on a new event and
     by the backend alone (no library lock), so it lands where it was asked
     for, whatever becomes of the stream or its handle; the hold joins the
-    table at the next library call (``_deferred``)."""
+    table at the next library call (``_deferred``), alone: where its record
+    landed among the stream's others is not known (``_events.lone``)."""
     backend = key.backend
     try:
         with _OnDevice(backend, key.device, key.handle):
@@ -228,7 +229,7 @@ def _record_in_collection(key: StreamId, owner: object, nbytes: int, ranges: Ran
 
 def _join_table(key: StreamId, event: int, owner: object, nbytes: int, ranges: Ranges) -> None:
     pool = pool_for(key.backend, key.device)  # the event returns to it once complete
-    table.add(Hold(pool, event, place(key), owner, nbytes, ranges), stacklevel=3)
+    table.add(Hold(pool, event, lone(key), owner, nbytes, ranges), stacklevel=3)
 
 
 class LeaseState(enum.Enum):

@@ -13,7 +13,8 @@ state by it:
 * ``generation``: which stream of that handle. A stream made by
   :class:`~cai_streams.Stream` gets a fresh generation and gives it up when it
   is closed, so a later stream with the same handle is another stream; a handle
-  this library never made has generation 0;
+  this library never made has generation 0; a negative one keys a record whose
+  place among its stream's others is not known (``_events.lone``);
 * ``thread``: for handle 2, the host thread (a serial number, never reused as
   thread idents are); 0 otherwise.
 """

@@ -272,6 +272,58 @@ def close_from_a_finalizer_in_a_collection_inside_a_record() -> None:
     assert _released_soon(ref)
 
 
+def hold_in_a_collection_releases_no_other_hold() -> None:
+    """A finalizer's hold recorded at once (the collection started inside
+    another hold's record, before that record was enqueued) lands before a
+    latch, and the other hold after it; the table releases a stream's holds
+    in record order, all those before one found done, so the finalizer's
+    must not sit behind the other there: found done first, it would release
+    the other's owner while the latch still holds the stream."""
+    ops = SimOps()
+    backend = cs.current_backend()
+    s = cs.Stream()
+    cs.hold(_Memory(), until=s)  # done at once: first in the stream's holds
+    cs.stats()  # (and released)
+    first = _Memory()
+    cs.hold(first, until=s)  # done at once, still in the table
+    held: list[Any] = []
+
+    class Freer:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            cs.hold(_Memory(), until=s)  # recorded at once: done at once
+            held.append(ops.latch(s))  # the other hold's record comes after it
+
+    gc.disable()
+    Freer()
+    record = backend.record
+    collect = [True]
+
+    def record_collecting(event: int, stream: int) -> None:
+        if collect and collect.pop():
+            gc.collect()
+        record(event, stream)
+
+    other = _Memory()
+    ref = weakref.ref(other)
+    backend.record = record_collecting  # type: ignore[method-assign]
+    try:
+        cs.hold(other, until=s)
+    finally:
+        del backend.record
+        gc.enable()
+    assert not collect and len(held) == 1
+    del first, other
+    for _ in range(20):
+        cs.stats()
+        threading.Event().wait(0.001)
+    assert ref() is not None  # behind the latch
+    held[0].release()
+    assert _released_soon(ref)
+
+
 def _bounded(scenario: Callable[[], None]) -> None:
     """Run ``scenario`` (a function of this module) in a fresh interpreter on
     the simulator; fail, not hang, if it does not end."""
@@ -301,10 +353,11 @@ def _bounded(scenario: Callable[[], None]) -> None:
         hold_in_a_collection_lands_where_asked_whatever_becomes_of_the_handle,
         a_buffer_owning_its_stream_freed_in_a_cycle,
         close_from_a_finalizer_in_a_collection_inside_a_record,
+        hold_in_a_collection_releases_no_other_hold,
     ],
     ids=lambda f: f.__name__,
 )
-def test_a_finalizer_calling_the_library_from_inside_it_never_deadlocks(
+def test_a_finalizer_calling_the_library_from_inside_it_is_safe(
     scenario: Callable[[], None],
 ) -> None:
     _bounded(scenario)
