@@ -128,6 +128,14 @@ class EventPool:
                 self._draining.append((event, keepalive))
             self._reclaim(2, gone)
 
+    def adopt(self, event: int) -> None:
+        """Count ``event``, made elsewhere (by a finalizer, see ``_deferred``)
+        and handed out already, as one of this pool's: it comes back as the
+        others do."""
+        with self._lock:
+            self.created += 1
+            self.acquired += 1
+
     def reuse(self, event: int) -> None:
         """Give back ``event``, which the caller saw complete: free at once, no query."""
         with self._lock:

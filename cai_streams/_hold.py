@@ -153,7 +153,13 @@ def hold(owner: object, *, until: object) -> None:
         raise TypeError("hold() needs the object to keep alive, got None")
     backend = current_backend()
     s = as_stream(until, backend)
-    handle = s.handle  # a closed Stream refuses
+    lifetime = s._lifetime
+    if in_collection() and s._closed and lifetime is not None and not lifetime.closed:
+        # collected or closed in this collection, before the finalizer calling
+        # this: its end waits for the next library call, and it exists till then
+        handle = s._handle
+    else:
+        handle = s.handle  # a closed Stream refuses
     if backend.is_capturing(handle):
         raise CaptureError(
             f"hold() cannot record on {s!r}: it is capturing a graph, and an event "
@@ -229,6 +235,7 @@ def _record_in_collection(key: StreamId, owner: object, nbytes: int, ranges: Ran
 
 def _join_table(key: StreamId, event: int, owner: object, nbytes: int, ranges: Ranges) -> None:
     pool = pool_for(key.backend, key.device)  # the event returns to it once complete
+    pool.adopt(event)
     table.add(Hold(pool, event, lone(key), owner, nbytes, ranges), stacklevel=3)
 
 

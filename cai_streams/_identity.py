@@ -204,9 +204,10 @@ class Lifetime:
     def closing(self) -> Iterable[ClosingListener]:
         """The stream is about to close: no new listener; hand over the ones
         there are (each called once, while the stream still exists)."""
-        with self._lock:
+        fresh: set[ClosingListener] = set()  # (made first: nothing allocates under the lock,
+        with self._lock:  # so no garbage collection, whose finalizers may close this stream)
             self._closing = True
-            listeners, self._listeners = self._listeners, set()
+            listeners, self._listeners = self._listeners, fresh
         return listeners
 
     def close(self) -> None:

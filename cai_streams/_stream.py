@@ -435,7 +435,7 @@ def _end_stream(
     listeners: Iterable[ClosingListener],
 ) -> None:
     """A collected owned stream: what listened records, then it is destroyed.
-    Never raises (a warning says what leaked)."""
+    A failure is a warning saying what leaked."""
     try:
         try:
             _tell_closing(listeners)

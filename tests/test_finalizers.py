@@ -324,6 +324,40 @@ def hold_in_a_collection_releases_no_other_hold() -> None:
     assert _released_soon(ref)
 
 
+def a_buffer_freed_in_a_cycle_after_the_stream_it_owns() -> None:
+    """The same, with the Stream made before the buffer: the collection
+    finalizes the Stream first (its end waits for the next library call),
+    then the buffer's ``hold`` on it, which must still record there (it
+    exists until then), not refuse and let the memory go under the latched
+    reader for the allocator to hand out."""
+    ops, backend = SimOps(), cs.current_backend()
+
+    class Buffer:
+        def __init__(self, stream: cs.Stream, arr: Any) -> None:
+            self.me, self.stream, self.arr = self, stream, arr
+
+        def __del__(self) -> None:
+            cs.hold(self.arr, until=self.stream)  # free stream-ordered
+
+    out = ops.array(np.zeros(256, np.float32))
+    s = cs.Stream()  # made first: finalized first
+    arr = ops.array(np.full(256, 1.0, np.float32))
+    latch = ops.latch(s)
+    ops.copy(s, out, arr)  # reads arr behind the latch
+    done = backend.create_event()
+    backend.record(done, s.handle)
+    Buffer(s, arr)
+    del s, arr
+    gc.collect()
+    other = ops.array(np.full(256, 9.0, np.float32))  # would take a freed block
+    latch.release()
+    backend.synchronize_event(done)
+    assert ops.to_host(out)[0] == 1.0
+    del other
+    stats = cs.stats()
+    assert stats["events_in_flight"] >= 0  # the finalizer's event counted where it returned
+
+
 def _bounded(scenario: Callable[[], None]) -> None:
     """Run ``scenario`` (a function of this module) in a fresh interpreter on
     the simulator; fail, not hang, if it does not end."""
@@ -354,6 +388,7 @@ def _bounded(scenario: Callable[[], None]) -> None:
         a_buffer_owning_its_stream_freed_in_a_cycle,
         close_from_a_finalizer_in_a_collection_inside_a_record,
         hold_in_a_collection_releases_no_other_hold,
+        a_buffer_freed_in_a_cycle_after_the_stream_it_owns,
     ],
     ids=lambda f: f.__name__,
 )
@@ -361,3 +396,31 @@ def test_a_finalizer_calling_the_library_from_inside_it_is_safe(
     scenario: Callable[[], None],
 ) -> None:
     _bounded(scenario)
+
+
+def test_closing_a_stream_starts_no_collection_while_its_listeners_are_locked() -> None:
+    """A collection started while a stream's lifetime lock is held runs
+    finalizers that may close that very stream (waiting on the lock for
+    good): with a collection at every allocation, none starts under it."""
+    streams = [cs.Stream() for _ in range(4)]
+    held: list[bool] = []
+    locks = [s._lifetime._lock for s in streams if s._lifetime is not None]
+
+    def probe(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            held.append(any(lock.locked() for lock in locks))
+
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(probe)
+    try:
+        for pad, s in enumerate(streams):  # (a collection every second allocation:
+            gc.collect()  # each close starts at another phase of it)
+            gc.set_threshold(1)
+            _ = [[] for _ in range(pad)]
+            s.close()
+            gc.set_threshold(*thresholds)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(probe)
+    assert held  # collections did start
+    assert not any(held)
