@@ -17,7 +17,8 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,30 @@ def _released_soon(ref: weakref.ref[Any]) -> bool:
     return False
 
 
+@contextmanager
+def _collection_in_the_next_record(
+    before: Callable[[], object] = lambda: None,
+) -> Iterator[list[bool]]:
+    """The backend's next record first calls ``before``, then collects garbage,
+    as an allocation of the backend's may: while the library holds its record
+    lock. Yields a list that is empty once that happened."""
+    backend = cs.current_backend()
+    record = backend.record
+    pending = [True]
+
+    def record_collecting(event: int, stream: int) -> None:
+        if pending and pending.pop():
+            before()
+            gc.collect()
+        record(event, stream)
+
+    backend.record = record_collecting  # type: ignore[method-assign]
+    try:
+        yield pending
+    finally:
+        del backend.record
+
+
 def hold_in_a_collection_inside_a_record() -> None:
     """A collection starts inside the library's record (as an allocation of the
     backend's may start one) while it holds the record lock; the finalizer's
@@ -79,23 +104,11 @@ def hold_in_a_collection_inside_a_record() -> None:
     s, other = cs.Stream(), cs.Stream()
     latch = ops.latch(s)
     freed: list[weakref.ref[_Memory]] = []
-    backend = cs.current_backend()
-    record = backend.record
-    collect = [True]
-
-    def record_collecting(event: int, stream: int) -> None:
-        if collect and collect.pop():
-            _SelfFreeing(s, freed)  # garbage in a cycle: this collection runs its __del__
-            gc.collect()
-        record(event, stream)
-
-    backend.record = record_collecting  # type: ignore[method-assign]
-    try:
+    # garbage in a cycle, made in there: that collection runs its __del__
+    with _collection_in_the_next_record(lambda: _SelfFreeing(s, freed)) as pending:
         cs.hold(object(), until=other)  # records: the collection runs in there
-    finally:
-        del backend.record
     cs.stats()  # the next library call records the finalizer's hold
-    assert len(freed) == 1 and not collect
+    assert len(freed) == 1 and not pending
     assert freed[0]() is not None  # held: s is latched
     latch.release()
     assert _released_soon(freed[0])
@@ -234,7 +247,6 @@ def close_from_a_finalizer_in_a_collection_inside_a_record() -> None:
     record: the close is finished at the next library call, which records the
     view's hold first."""
     ops = SimOps()
-    backend = cs.current_backend()
     s = cs.Stream()
     box = _Box(ops.array(np.zeros(64, np.float32)))
     ref = weakref.ref(box)
@@ -250,21 +262,12 @@ def close_from_a_finalizer_in_a_collection_inside_a_record() -> None:
 
     gc.disable()  # (no collection before the one started inside the record)
     Worker(s)  # garbage; the stream is not (this function holds it): it is closed, not collected
-    record = backend.record
-    collect = [True]
-
-    def record_collecting(event: int, stream: int) -> None:
-        if collect and collect.pop():
-            gc.collect()
-        record(event, stream)
-
-    backend.record = record_collecting  # type: ignore[method-assign]
     try:
-        cs.hold(object(), until=cs.Stream())
+        with _collection_in_the_next_record() as pending:
+            cs.hold(object(), until=cs.Stream())
     finally:
-        del backend.record
         gc.enable()
-    assert not collect and s.closed
+    assert not pending and s.closed
     del view, box
     cs.stats()
     assert ref() is not None  # recorded behind the latch, before the stream went
@@ -280,7 +283,6 @@ def hold_in_a_collection_releases_no_other_hold() -> None:
     must not sit behind the other there: found done first, it would release
     the other's owner while the latch still holds the stream."""
     ops = SimOps()
-    backend = cs.current_backend()
     s = cs.Stream()
     cs.hold(_Memory(), until=s)  # done at once: first in the stream's holds
     cs.stats()  # (and released)
@@ -298,23 +300,14 @@ def hold_in_a_collection_releases_no_other_hold() -> None:
 
     gc.disable()
     Freer()
-    record = backend.record
-    collect = [True]
-
-    def record_collecting(event: int, stream: int) -> None:
-        if collect and collect.pop():
-            gc.collect()
-        record(event, stream)
-
     other = _Memory()
     ref = weakref.ref(other)
-    backend.record = record_collecting  # type: ignore[method-assign]
     try:
-        cs.hold(other, until=s)
+        with _collection_in_the_next_record() as pending:
+            cs.hold(other, until=s)
     finally:
-        del backend.record
         gc.enable()
-    assert not collect and len(held) == 1
+    assert not pending and len(held) == 1
     del first, other
     for _ in range(20):
         cs.stats()
