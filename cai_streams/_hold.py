@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import sys
 import threading
 import warnings
 import weakref
@@ -216,6 +217,8 @@ def _record_in_collection(key: StreamId, owner: object, nbytes: int, ranges: Ran
     for, whatever becomes of the stream or its handle; the hold joins the
     table at the next library call (``_deferred``), alone: where its record
     landed among the stream's others is not known (``_events.lone``)."""
+    if sys.is_finalizing():  # the process is ending: its streams with it
+        return
     backend = key.backend
     try:
         with _OnDevice(backend, key.device, key.handle):

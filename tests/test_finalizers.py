@@ -17,7 +17,8 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -351,6 +352,34 @@ def a_buffer_freed_in_a_cycle_after_the_stream_it_owns() -> None:
     assert stats["events_in_flight"] >= 0  # the finalizer's event counted where it returned
 
 
+def hold_in_a_collection_inside_the_simulators_enqueue() -> None:
+    """A collection that starts while the simulator holds a stream's lock
+    (enqueueing onto it) runs a finalizer that holds memory until that very
+    stream: a driver takes such a call from any context, and so must the
+    simulator."""
+    backend = cs.current_backend()
+    s = cs.Stream()
+    simulated = backend._resolve(s.handle)  # type: ignore[attr-defined]
+    freed: list[weakref.ref[_Memory]] = []
+    pending = [True]
+
+    class CollectingOps(deque[Any]):
+        def extend(self, ops: Iterable[Any]) -> None:
+            super().extend(ops)
+            if pending and pending.pop():
+                _SelfFreeing(s, freed)  # garbage: this collection runs its __del__
+                gc.collect()
+
+    simulated._ops = CollectingOps(simulated._ops)
+    gc.disable()
+    try:
+        cs.hold(object(), until=s)  # its record enqueues onto s: the collection runs in there
+    finally:
+        gc.enable()
+    assert not pending and len(freed) == 1
+    assert _released_soon(freed[0])
+
+
 def _bounded(scenario: Callable[[], None]) -> None:
     """Run ``scenario`` (a function of this module) in a fresh interpreter on
     the simulator; fail, not hang, if it does not end."""
@@ -382,6 +411,7 @@ def _bounded(scenario: Callable[[], None]) -> None:
         close_from_a_finalizer_in_a_collection_inside_a_record,
         hold_in_a_collection_releases_no_other_hold,
         a_buffer_freed_in_a_cycle_after_the_stream_it_owns,
+        hold_in_a_collection_inside_the_simulators_enqueue,
     ],
     ids=lambda f: f.__name__,
 )

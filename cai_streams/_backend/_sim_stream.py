@@ -173,7 +173,10 @@ class SimStream:
         self.tail: frozenset[int] = frozenset()
         self._backend = backend
         self._ops: deque[_Op] = deque()
-        self._cv = threading.Condition(threading.Lock())
+        # Re-entrant, as a driver is: a garbage collection may start at an
+        # allocation made while this is held, and a finalizer it runs may
+        # enqueue onto this very stream (a buffer's __del__ calling cs.hold)
+        self._cv = threading.Condition(threading.RLock())
         self._closed = False
         #: set when the worker ends, closed and drained
         self._drained = Point()
