@@ -151,22 +151,29 @@ def hold_from_an_owner_the_event_pool_lets_go() -> None:
     backend.destroy_stream(raw)
 
 
+def _viewed_through_its_handle(
+    ops: SimOps,
+) -> tuple[cs.Stream, weakref.ref[_Box], cs.ArrayView, Any]:
+    """A new stream, a view of a new owner handed through the stream's bare
+    handle (so the view's lease listens to the stream), and a latch holding
+    the stream; the owner lives in the view."""
+    s = cs.Stream()
+    box = _Box(ops.array(np.zeros(64, np.float32)))
+    view = cs.consume_blocking(box, stream=s.handle)
+    return s, weakref.ref(box), view, ops.latch(s)
+
+
 def a_collected_stream_ends_at_the_next_library_call() -> None:
     """A view handed through a stream's bare handle listens to the stream the
     library made; collecting that stream queues its end (its finalizer may run
     inside the library), and the next library call records the view's hold
     before destroying the stream."""
-    ops = SimOps()
-    s = cs.Stream()
-    box = _Box(ops.array(np.zeros(64, np.float32)))
-    ref = weakref.ref(box)
-    view = cs.consume_blocking(box, stream=s.handle)
-    latch = ops.latch(s)
+    s, ref, view, latch = _viewed_through_its_handle(SimOps())
     del s
     gc.collect()
     # not ended yet: the stream's end waits for a library call
-    assert any(owner == id(box) for _, owner in _hold._in_use)
-    del view, box
+    assert any(owner == id(view.owner) for _, owner in _hold._in_use)
+    del view
     cs.stats()
     assert ref() is not None  # recorded behind the latch
     latch.release()
@@ -247,12 +254,7 @@ def close_from_a_finalizer_in_a_collection_inside_a_record() -> None:
     through its bare handle), run by a collection that started inside a
     record: the close is finished at the next library call, which records the
     view's hold first."""
-    ops = SimOps()
-    s = cs.Stream()
-    box = _Box(ops.array(np.zeros(64, np.float32)))
-    ref = weakref.ref(box)
-    view = cs.consume_blocking(box, stream=s.handle)
-    latch = ops.latch(s)
+    s, ref, view, latch = _viewed_through_its_handle(SimOps())
 
     class Worker:
         def __init__(self, stream: cs.Stream) -> None:
@@ -269,7 +271,7 @@ def close_from_a_finalizer_in_a_collection_inside_a_record() -> None:
     finally:
         gc.enable()
     assert not pending and s.closed
-    del view, box
+    del view
     cs.stats()
     assert ref() is not None  # recorded behind the latch, before the stream went
     latch.release()
