@@ -267,7 +267,7 @@ class _UntrackedHost(_Handoff):
         assert producer is not None
         self.view = self.view.with_stream(None)
         key = stream_id_now(backend, producer)
-        if _observe.active:
+        if _observe.active:  # (unobserved, the common case: no scope object, no enter/exit)
             with _observe.Scope(self):  # what it finds complete is this handoff's to know
                 idle = _capture_guard.host_wait_idle(backend, key, "consume()")
         else:

@@ -331,8 +331,6 @@ class _Lease:
     def _target(self) -> StreamId:
         return _record_target(self.key)
 
-    _capturing = staticmethod(_waits_for_capture)
-
     def record_unless_used(self) -> bool:
         """``_lock`` held: record the hold now unless a view is in use again
         (its later record covers this work). False when the stream is capturing
@@ -340,7 +338,7 @@ class _Lease:
         if self.state is not LeaseState.IN_USE:
             return True
         on = self._target()
-        if self._capturing(on):
+        if _waits_for_capture(on):
             return False
         with _in_use_lock:
             if self.views:
@@ -389,7 +387,7 @@ class _Lease:
             with _in_use_lock:
                 self._leave()
             on = self._target()
-            if self._capturing(on):
+            if _waits_for_capture(on):
                 self._end(LeaseState.DROPPED)  # no work of a capture will run on it
                 if self.lifetime is not None:
                     self.lifetime.forget(self)
@@ -440,7 +438,7 @@ class ViewLease(weakref.ref[ArrayView]):
         with lease._lock:
             if self.use is not _Use.COUNTED or lease.state is not LeaseState.IN_USE:
                 return
-            if lease._capturing(lease._target()):
+            if _waits_for_capture(lease._target()):
                 return
             if self._let_go():
                 lease.record_unless_used()
