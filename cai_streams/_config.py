@@ -151,13 +151,16 @@ class _Settings:
     """The switches a call reads each time: from the environment on first
     read, then whatever :func:`configure` set."""
 
-    __slots__ = ("_export_stream", "_hold_limit_bytes", "_hold_limit_count", "_sync")
+    __slots__ = ("_export_stream", "_hold_limit_bytes", "_hold_limit_count", "_sync", "limits_set")
 
     def __init__(self) -> None:
         self._sync: bool | None = None
         self._export_stream: bool | None = None
         self._hold_limit_count: int | None = None
         self._hold_limit_bytes: int | None = None
+        #: how many times configure() set a hold limit: each is a new setting,
+        #: whose first excursion past it warns again (even with the same values)
+        self.limits_set = 0
 
     @property
     def sync(self) -> bool:
@@ -223,7 +226,8 @@ def configure(
     :class:`PollPolicy` of the shared poller behind ``await consume()``, for
     example ``PollPolicy.low_latency()``. ``hold_limit_count`` and
     ``hold_limit_bytes`` are what ``CAI_STREAMS_HOLD_LIMIT_COUNT`` and
-    ``CAI_STREAMS_HOLD_LIMIT_BYTES`` set (0: no limit; see :func:`hold`).
+    ``CAI_STREAMS_HOLD_LIMIT_BYTES`` set (0: no limit; see :func:`hold`); a
+    call that sets either re-arms the :class:`HoldWarning`, even with the same values.
     Every argument is checked before any setting changes.
     """
     for name, value in (("sync", sync), ("export_stream", export_stream)):
@@ -239,3 +243,5 @@ def configure(
         settings.export_stream = export_stream
     for name, limit in checked.items():
         setattr(settings, name, limit)
+    if checked:
+        settings.limits_set += 1

@@ -101,7 +101,8 @@ class CudaWarning(RuntimeWarning):
 class HoldWarning(ResourceWarning):
     """Stream-ordered holds past ``hold_limit_count`` or ``hold_limit_bytes``.
 
-    Given once per limit setting, after the completed holds were released: it
+    Given once per limit setting (each :func:`~cai_streams.configure` call
+    that sets a limit is a new one), after the completed holds were released: it
     says how many holds are in flight, how many bytes they keep alive, and on
     which streams the oldest wait. Holds never block; raise the limit with
     :func:`~cai_streams.configure` or find the stream that makes no progress.

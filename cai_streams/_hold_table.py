@@ -94,7 +94,8 @@ class HoldTable:
         self.aged = 0
         #: released views whose hold a newer one of the same owner and stream covers
         self.merged = 0
-        self._warned_at: tuple[int, int] | None = None
+        #: the limit setting last warned about: (count, bytes, settings.limits_set)
+        self._warned_at: tuple[int, int, int] | None = None
 
     @property
     def busy(self) -> bool:
@@ -124,10 +125,11 @@ class HoldTable:
 
     def _warn(self, stacklevel: int) -> None:
         limits = (settings.hold_limit_count, settings.hold_limit_bytes)
+        setting = (*limits, settings.limits_set)
         with self._lock:
-            if self._warned_at == limits:
+            if self._warned_at == setting:
                 return
-            self._warned_at = limits
+            self._warned_at = setting
             oldest = sorted(
                 ((q[0].since, key, len(q)) for key, q in self._streams.items() if q),
                 key=lambda item: item[0],
