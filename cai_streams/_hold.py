@@ -331,17 +331,20 @@ class _Lease:
     def _target(self) -> StreamId:
         return _record_target(self.key)
 
-    def record_unless_used(self) -> bool:
+    def record_unless_used(self, *, released: bool = False) -> bool:
         """``_lock`` held: record the hold now unless a view is in use again
-        (its later record covers this work). False when the stream is capturing
-        (asked again later)."""
+        (its later record covers this work; counted as merged when ``released``,
+        the caller's view being the one let go). False when the stream is
+        capturing (asked again later)."""
         if self.state is not LeaseState.IN_USE:
             return True
         on = self._target()
-        if _waits_for_capture(on):
+        if _waits_for_capture(on):  # a driver call: another thread may join meanwhile
             return False
         with _in_use_lock:
             if self.views:
+                if released:
+                    table.merged += 1
                 return True
             self._leave()
         self._record(on)
@@ -417,7 +420,7 @@ class ViewLease(weakref.ref[ArrayView]):
             del lease.refs[id(self)]
             if lease.views or lease.state is not LeaseState.IN_USE:
                 if lease.views:
-                    table.merged += 1  # under the lock: the one place that counts it
+                    table.merged += 1  # under the lock, as in record_unless_used
                 return False
         return True
 
@@ -426,9 +429,11 @@ class ViewLease(weakref.ref[ArrayView]):
         it was the last of its lease in use. False when the stream is capturing."""
         lease = self.lease
         with lease._lock:
-            if self.use is _Use.COUNTED and not self._let_go():
+            if self.use is not _Use.COUNTED:
+                return lease.record_unless_used()
+            if not self._let_go():
                 return True
-            return lease.record_unless_used()
+            return lease.record_unless_used(released=True)
 
     def end_use(self) -> None:
         """``consuming()`` exit, in the consumer's thread: record the hold now
@@ -441,7 +446,7 @@ class ViewLease(weakref.ref[ArrayView]):
             if _waits_for_capture(lease._target()):
                 return
             if self._let_go():
-                lease.record_unless_used()
+                lease.record_unless_used(released=True)
 
     def __hash__(self) -> int:
         return id(self)

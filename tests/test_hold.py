@@ -336,6 +336,11 @@ def test_past_the_count_limit_completed_holds_go_first_then_one_warning(
         cs.configure(hold_limit_count=8)  # a new limit warns again when passed
         with pytest.warns(cs.HoldWarning, match="limits: 8 holds"):
             cs.hold(Owner(), until=s)
+        # so does setting the same limit again (the same test on another backend,
+        # in one process, found no warning: the first run's setting had been used)
+        cs.configure(hold_limit_count=8)
+        with pytest.warns(cs.HoldWarning, match="limits: 8 holds"):
+            cs.hold(Owner(), until=s)
     finally:
         for latch in latches:
             latch.release()
@@ -495,6 +500,45 @@ def test_views_of_one_owner_released_from_several_threads_at_once_keep_it_until_
     assert ref() is not None
     latch.release()
     assert released_soon(ref)
+
+
+def test_a_view_joining_while_the_last_one_settles_counts_that_one_as_merged(
+    ops: DeviceOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The settle of the last view in use asks the capture state (a driver
+    call, which lets other threads run on a GPU) before it records: a view
+    of the same owner and stream made in between covers it. That release was
+    counted neither made nor merged (on an H100, 199 of 200 in the test above)."""
+    s = cs.Stream()
+    latch = ops.latch(s)
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    later: list[cs.ArrayView] = []
+    real = _hold._waits_for_capture
+
+    def joins_meanwhile(on: Any) -> bool:
+        if not later:  # another thread's handoff, here where the GIL would be let go
+            later.append(cs.consume_blocking(box, stream=s))
+        return real(on)
+
+    first = cs.consume_blocking(box, stream=s)
+    start = cs.stats()
+    monkeypatch.setattr(_hold, "_waits_for_capture", joins_meanwhile)
+    del first
+    cs.stats()  # settles the released view: the new one is in use by then
+    monkeypatch.undo()
+    middle = cs.stats()
+    assert len(later) == 1
+    assert (middle["holds_made"], middle["holds_merged"]) == (
+        start["holds_made"],
+        start["holds_merged"] + 1,
+    )
+    later.clear()
+    end = cs.stats()
+    assert (end["holds_made"], end["holds_merged"]) == (
+        start["holds_made"] + 1,
+        start["holds_merged"] + 1,
+    )
+    latch.release()
 
 
 @pytest.mark.anyio
@@ -730,12 +774,15 @@ def test_a_released_view_whose_stream_closes_past_a_limit_is_recorded_once(
     latch = ops.latch(other)
     cs.hold(Owner(), until=other)
     s = cs.Stream()
+    busy = ops.latch(s)  # its hold is not complete when recorded (on a GPU the
+    # consumer's wait would be done at once, and the sweep would release it)
     view = cs.consume_blocking(Box(ops.array(np.zeros(64, np.float32))), stream=s)
     made = cs.stats()["holds_made"]
     del view  # queued: nothing was called since
     with pytest.warns(cs.HoldWarning, match="2 stream-ordered holds"):
         s.close()
     assert cs.stats()["holds_made"] == made + 1
+    busy.release()
     latch.release()
 
 
@@ -744,7 +791,13 @@ def test_a_hold_that_cannot_be_recorded_keeps_its_owner_for_good_and_warns(
 ) -> None:
     """Another library destroys the stream its own stream object names while a
     view handed to it lives (breaking its promise): a leak, not a block reused
-    under work that may still run."""
+    under work that may still run. The simulator says the handle is gone; a
+    driver need not (any call on it is undefined)."""
+    if backend.name == "cuda":
+        pytest.skip(
+            "a destroyed stream's handle is undefined behaviour on a driver: the "
+            "capture query on it crashed the process on an H100 (docs/gpu.md)"
+        )
     raw = backend.create_stream()
     box = Box(ops.array(np.zeros(64, np.float32)))
     ref = weakref.ref(box)
