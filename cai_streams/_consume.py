@@ -78,6 +78,7 @@ from ._poller import check_timeout, wait_blocking, wait_for_events
 from ._running import checkpoint
 from ._scheduler import Scheduler, scheduler_for
 from ._stream import Stream, as_stream
+from ._tracebacks import release_frames
 from ._tracked import BLOCK_TIMEOUT, lookup
 
 __all__ = ["Mode", "consume", "consume_all", "consume_blocking", "consuming", "plan"]
@@ -514,7 +515,12 @@ async def consume(
     """
     check_timeout(timeout)
     (handoff,) = _handoffs([obj], stream, sync, protocol)
-    await _run([handoff], timeout)
+    try:
+        await _run([handoff], timeout)
+    except BaseException as exc:  # a kept traceback must not keep the view's owner
+        release_frames(exc)
+        del handoff
+        raise
     _keep_owner(handoff)
     return handoff.view
 
@@ -534,7 +540,12 @@ async def consume_all(
     """
     check_timeout(timeout)
     handoffs = _handoffs(objs, stream, sync, protocol)
-    await _run(handoffs, timeout)
+    try:
+        await _run(handoffs, timeout)
+    except BaseException as exc:  # a kept traceback must not keep the views' owners
+        release_frames(exc)
+        del handoffs
+        raise
     for h in handoffs:
         _keep_owner(h)
     return [h.view for h in handoffs]
@@ -564,15 +575,17 @@ def consume_blocking(
     me = current_owner()
     while (blocked := handoff.begin(me)) is not None:
         wait_block_sync(blocked.block, me, deadline, "consume_blocking()")
-    complete = False
     try:
         if handoff.events:  # complete work (the common case) has nothing to wait for
             events = [e for e, _ in handoff.events]
             left = None if timeout is None else max(0.0, deadline - time.monotonic())
             wait_blocking(handoff.sched.backend, events, timeout=left, keepalive=obj)
-        complete = True
-    finally:
-        handoff.finish(complete=complete)
+    except BaseException as exc:  # a kept traceback must not keep the view's owner
+        handoff.finish(complete=False)
+        release_frames(exc)
+        del handoff
+        raise
+    handoff.finish(complete=True)
     _keep_owner(handoff)
     return handoff.view
 
@@ -605,7 +618,12 @@ async def consuming(
     check_timeout(timeout)
     (handoff,) = _handoffs([obj], stream, sync, protocol)
     handoff.blocking = True
-    await _run([handoff], timeout)
+    try:
+        await _run([handoff], timeout)
+    except BaseException as exc:  # a kept traceback must not keep the view's owner
+        release_frames(exc)
+        del handoff
+        raise
     lease: ViewLease | None = None
     try:
         lease = _keep_owner(handoff)

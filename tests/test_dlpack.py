@@ -627,6 +627,47 @@ async def test_deleter_once_when_cancelled_or_timed_out(exports: None) -> None:
     assert live_exports()[0] == before
 
 
+@pytest.mark.parametrize("how", ["consume", "consume_all", "consuming", "cancelled", "blocking"])
+async def test_a_kept_exception_does_not_keep_the_owner_of_a_failed_consume(
+    how: str, exports: None
+) -> None:
+    """A timed-out or cancelled consume made its view in frames that the
+    exception's traceback keeps: the caller keeping the exception (here
+    stored; on Python 3.12 the timeout's own chaining sufficed, in the test
+    above) must not keep the view's owner, a DLPack tensor, once the work it
+    waited for is done."""
+    obj, t, latch, p = _counted_producer(1.0)
+    before = live_exports()[0]
+    kept: list[BaseException] = []
+    try:
+        if how == "consume":
+            await cs.consume(obj, timeout=0.02)
+        elif how == "consume_all":
+            await cs.consume_all(obj, obj, timeout=0.02)
+        elif how == "consuming":
+            async with cs.consuming(obj, timeout=0.02):
+                pass
+        elif how == "blocking":
+            cs.consume_blocking(obj, timeout=0.02)
+        else:
+            with anyio.move_on_after(0.02):
+                try:
+                    await cs.consume(obj)
+                except BaseException as exc:  # the cancellation, kept
+                    kept.append(exc)
+                    raise
+    except TimeoutError as exc:
+        kept.append(exc)
+    assert kept and kept[0].__traceback__ is not None
+    assert live_exports()[0] > before  # the owners live until the work completes
+    latch.release()
+    assert sim.device().drain(timeout=30)
+    cs.stats()
+    gc.collect()
+    assert live_exports()[0] == before
+    del kept
+
+
 async def test_deleter_once_when_the_producers_kernel_failed(exports: None) -> None:
     ops = _sim_ops()
     p = cs.Stream()
