@@ -469,9 +469,16 @@ async def wait_for_events(
         while pending:
             pending = await _wait_once(_current_poller(), backend, pending)
     else:
-        with anyio.fail_after(timeout):
+        # Not anyio.fail_after: its TimeoutError, raised in a generator's
+        # __exit__, chains the cancellation, whose traceback holds the frames
+        # of that __exit__, which hold the cancellation: a cycle that kept the
+        # caller's frames (and the arrays in them) until a garbage collection
+        # (Python 3.12). This TimeoutError chains nothing.
+        with anyio.move_on_after(timeout) as scope:
             while pending:
                 pending = await _wait_once(_current_poller(), backend, pending)
+        if scope.cancelled_caught:
+            raise TimeoutError
     del keepalive
 
 
