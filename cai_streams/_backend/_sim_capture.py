@@ -40,7 +40,7 @@ _Op = tuple[Any, ...]
 
 
 def _invalidated() -> Exception:
-    return sim_error(901, "the capture was invalidated by an earlier error")
+    return sim_error(901, "operation failed due to a previous error during capture")
 
 
 class CaptureRules:
