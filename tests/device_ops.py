@@ -17,7 +17,9 @@ import anyio
 import numpy as np
 
 import cai_streams as cs
-from cai_streams import sim
+from cai_streams import _observe, sim
+from cai_streams._interface import byte_range
+from cai_streams._stream import stream_handle_of
 
 LATCH_TIMEOUT = 20.0
 KERNELS = Path(__file__).resolve().parent / "kernels"
@@ -135,6 +137,23 @@ class SimOps:
         sim.launch(stream, broken)
 
 
+def _declare(
+    stream: cs.Stream, name: str, reads: tuple[Any, ...] = (), writes: tuple[Any, ...] = ()
+) -> None:  # pragma: no cover - runs in the GPU tier only
+    """Tell the sanitizer what a CuPy kernel about to be enqueued on ``stream``
+    reads and writes, as ``sim.launch(reads=, writes=)`` does for a simulated
+    one (the same names): the suite's hazard checks then hold on cuda too."""
+    if _observe.active:
+        backend = stream.backend if isinstance(stream, cs.Stream) else cs.current_backend()
+        _observe.stream_access(
+            backend,
+            stream_handle_of(stream),
+            reads=[byte_range(cs.read_interface(a)) for a in reads],
+            writes=[byte_range(cs.read_interface(a)) for a in writes],
+            what=f"kernel {name!r}",
+        )
+
+
 class CupyOps:  # pragma: no cover - runs in the GPU tier only
     """The same kernels on a real device, through CuPy.
 
@@ -187,7 +206,7 @@ class CupyOps:  # pragma: no cover - runs in the GPU tier only
         """Run every kernel the tests use once, with no stream held."""
         cp = self.cp
         null = cp.cuda.Stream.null
-        for dtype in ("float32", "float64"):
+        for dtype in ("float32", "float64", "int32", "int64"):  # one module per dtype
             for size in (1, 4, 64, 256, 300):
                 x = cp.zeros(size, dtype)
                 y = cp.zeros(size, dtype)
@@ -226,6 +245,10 @@ class CupyOps:  # pragma: no cover - runs in the GPU tier only
         out = self.cp.empty(src.shape, src.dtype)
         if src.nbytes:
             out.data.copy_from_host(src.ctypes.data, src.nbytes)
+            # From pageable memory cudaMemcpy may return before the DMA ends: the
+            # data is in place when this returns, as on the simulator (a track()
+            # of the array would otherwise find the legacy stream still busy).
+            self.cp.cuda.Stream.null.synchronize()
         return out
 
     def to_host(self, arr: Any) -> np.ndarray[Any, Any]:
@@ -260,24 +283,29 @@ class CupyOps:  # pragma: no cover - runs in the GPU tier only
     def fill(self, stream: cs.Stream, arr: Any, value: float, duration: float = 0.0) -> None:
         s = self._stream(stream)
         self._delay(s, duration)
+        _declare(stream, "fill", writes=(arr,))
         self._fill(s, arr, value)
 
     def add(self, stream: cs.Stream, arr: Any, value: float, duration: float = 0.0) -> None:
         s = self._stream(stream)
         self._delay(s, duration)
+        _declare(stream, "add", reads=(arr,), writes=(arr,))
         self._add(s, arr, value)
 
     def copy(self, stream: cs.Stream, dst: Any, src: Any, duration: float = 0.0) -> None:
         s = self._stream(stream)
         self._delay(s, duration)
+        _declare(stream, "copy", reads=(src,), writes=(dst,))
         self._copy(s, dst, src)
 
     def shift_in(self, stream: cs.Stream, arr: Any, digit: int, duration: float = 0.0) -> None:
         s = self._stream(stream)
         self._delay(s, duration)
+        _declare(stream, "shift_in", reads=(arr,), writes=(arr,))
         self._shift_in(s, arr, digit)
 
     def sum_into(self, stream: cs.Stream, out: Any, src: Any) -> None:
+        _declare(stream, "total", reads=(src,), writes=(out,))
         self._sum_into(self._stream(stream), out, src)
 
     def _take_slot(self) -> int:

@@ -160,5 +160,7 @@ def test_a_counted_device_without_a_context_falls_back_to_sim(
     assert "cudaErrorDevicesUnavailable" in caplog.text
     monkeypatch.setenv("CAI_STREAMS_BACKEND", "cuda")
     monkeypatch.setattr(_backend, "_current", None)
+    # on a GPU machine the cuda backend is running already: a new one is checked
+    monkeypatch.delitem(_backend._instances, "cuda", raising=False)
     with pytest.raises(cs.CaiStreamsError, match="present but unusable"):
         _backend._select_default()
