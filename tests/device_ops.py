@@ -211,7 +211,7 @@ class CupyOps:  # pragma: no cover - runs in the GPU tier only
                 x = cp.zeros(size, dtype)
                 y = cp.zeros(size, dtype)
                 self._fill(null, x, 1.0)
-                self._add(null, x, 1.0)
+                self._add(null, x, 1.0 if x.dtype.kind == "f" else 1)  # (same_kind)
                 self._shift_in(null, x, 3)
                 self._copy(null, y, x)
                 self._sum_into(null, y[:1], x)
