@@ -30,13 +30,20 @@ def _ptr(arr: Any) -> int:
 
 
 def test_a_destroyed_streams_handle_goes_to_the_next_stream(backend: cs.Backend) -> None:
-    stream = backend.create_stream()
-    backend.destroy_stream(stream)
-    again = backend.create_stream()
-    try:
-        assert again == stream
-    finally:
-        backend.destroy_stream(again)
+    """The simulator hands a destroyed stream's handle to the next stream every
+    time: the worst case. The driver does so often, not always (another thread
+    of the process may take the address first; one H100 run of 2026-11-23 saw a
+    new one): reuse must be seen at least once in a few tries."""
+    reused = 0
+    for _ in range(1 if backend.name == "sim" else 20):
+        stream = backend.create_stream()
+        backend.destroy_stream(stream)
+        again = backend.create_stream()
+        try:
+            reused += again == stream
+        finally:
+            backend.destroy_stream(again)
+    assert reused >= 1  # on sim: the one try
 
 
 def test_a_reused_handle_is_a_new_stream_and_the_old_work_still_completes(

@@ -1,0 +1,73 @@
+"""GPU diagnostic for test_a_global_capture_in_another_thread_survives_thousands_of_polled_waiters.
+
+On an H100 (2026-11-23) that test lost 20 s somewhere after the capture thread
+began its global capture: the latches gave up before the poll loop made its 20
+passes. This runs the test's scenario outside pytest and prints, every second,
+the poller's counters and, at 3, 6 and 12 s, the Python stack of every thread
+(a thread stuck in a driver call shows the library or CuPy call that made it),
+then an all-thread dump at 25 s. The kernels are compiled and loaded first, so
+nothing of that shows up.
+
+    PYTHONPATH=.:<test wheels> python3 scripts/diagnose-capture-poll.py [WAITERS] [WAKE]
+
+WAKE is a PollPolicy wake mode ("auto", "doorbell", "poll"). Blocks for at most
+about 45 s (the test's own bounds); needs a CUDA device, CuPy and the tests/.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cai_streams as cs  # noqa: E402
+from cai_streams import _poller  # noqa: E402
+from tests import test_capture  # noqa: E402
+from tests.device_ops import ops_for  # noqa: E402
+
+
+def main() -> None:
+    waiters = int(sys.argv[1]) if len(sys.argv) > 1 else test_capture.WAITERS
+    if len(sys.argv) > 2:
+        cs.configure(poll=cs.PollPolicy(wake=sys.argv[2]))  # type: ignore[arg-type]
+    cs.use_backend("cuda")
+    ops = ops_for("cuda")  # compiles and loads every test kernel now
+    test_capture.WAITERS = waiters
+    print(f"waiters {waiters}, {_poller.poll_policy()}", flush=True)
+    started = time.perf_counter()
+    stop = threading.Event()
+
+    def monitor() -> None:
+        second = 0
+        while not stop.wait(1.0):
+            second += 1
+            c = _poller.counters
+            print(f"[{time.perf_counter() - started:5.1f} s] passes {c.passes} "
+                  f"queries {c.queries} wakes {c.wakes}", flush=True)  # fmt: skip
+            if second in (3, 6, 12):
+                names = {t.ident: t.name for t in threading.enumerate()}
+                for ident, frame in sys._current_frames().items():
+                    if ident == threading.get_ident():
+                        continue
+                    print(f"--- thread {names.get(ident, ident)}", flush=True)
+                    print("".join(traceback.format_stack(frame)[-10:]), flush=True)
+
+    threading.Thread(target=monitor, name="monitor", daemon=True).start()
+    faulthandler.dump_traceback_later(25, exit=False)
+    try:
+        print("outcome, errors, passes:", test_capture._poll_during_a_capture(ops), flush=True)
+    except BaseException as exc:  # the scenario's own failure is the finding
+        print("raised:", repr(exc)[:2000], flush=True)
+    finally:
+        stop.set()
+        faulthandler.cancel_dump_traceback_later()
+        ops.release_all()
+
+
+if __name__ == "__main__":
+    main()
