@@ -92,10 +92,13 @@ __all__ = [
 #: polling only ("poll"), or whichever is best on the backend in use ("auto")
 WakeMode = Literal["auto", "doorbell", "poll"]
 WAKE_MODES: Final[tuple[WakeMode, ...]] = ("auto", "doorbell", "poll")
-#: backends where "auto" rings bells: on the simulator the benchmarks show it
-#: best (docs/performance.md); on cuda it follows from the design (a driver
-#: thread's close(), then the loop's own selector) and is unverified on a GPU so far
-AUTO_BACKENDS: Final = frozenset({"sim", "decoy", "cuda"})
+#: backends where "auto" rings bells: where the benchmarks show them best. On
+#: the simulator they are. On an H100 (four runs, 2026-11-23, docs/performance.md)
+#: bells won at 1 waiter and in the median at 10,000, but their p99 at 100 and
+#: 1,000 waiters was 6-16 ms against the poller's 1.2-1.5 ms: "auto" polls on
+#: cuda (and on the decoy that stands in for it) until that is understood;
+#: ``wake="doorbell"`` still rings them there.
+AUTO_BACKENDS: Final = frozenset({"sim"})
 #: notifier streams per (backend, device); beyond this a bell is refused
 MAX_LANES: Final = 64
 #: notifier streams serving one producer stream (more than one only when its
