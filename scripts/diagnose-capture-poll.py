@@ -8,9 +8,12 @@ the poller's counters and, at 3, 6 and 12 s, the Python stack of every thread
 then an all-thread dump at 25 s. The kernels are compiled and loaded first, so
 nothing of that shows up.
 
-    PYTHONPATH=.:<test wheels> python3 scripts/diagnose-capture-poll.py [WAITERS] [WAKE]
+    PYTHONPATH=.:SITE python3 scripts/diagnose-capture-poll.py [WAITERS] [WAKE] [--no-sanitizer]
 
-WAKE is a PollPolicy wake mode ("auto", "doorbell", "poll"). Blocks for at most
+WAKE is a PollPolicy wake mode ("auto", "doorbell", "poll"); the failing runs rang
+bells ("auto" did on cuda then), so try "doorbell" and "poll". The sanitizer is on,
+as in the suite (which declares the CuPy kernels' accesses to it), unless
+``--no-sanitizer``: run both, to tell whether it takes part. Blocks for at most
 about 45 s (the test's own bounds); needs a CUDA device, CuPy and the tests/.
 """
 
@@ -32,13 +35,15 @@ from tests.device_ops import ops_for  # noqa: E402
 
 
 def main() -> None:
-    waiters = int(sys.argv[1]) if len(sys.argv) > 1 else test_capture.WAITERS
-    if len(sys.argv) > 2:
-        cs.configure(poll=cs.PollPolicy(wake=sys.argv[2]))  # type: ignore[arg-type]
+    args = [a for a in sys.argv[1:] if a != "--no-sanitizer"]
+    sanitize = "--no-sanitizer" not in sys.argv
+    waiters = int(args[0]) if args else test_capture.WAITERS
+    if len(args) > 1:
+        cs.configure(poll=cs.PollPolicy(wake=args[1]))  # type: ignore[arg-type]
     cs.use_backend("cuda")
     ops = ops_for("cuda")  # compiles and loads every test kernel now
     test_capture.WAITERS = waiters
-    print(f"waiters {waiters}, {_poller.poll_policy()}", flush=True)
+    print(f"waiters {waiters}, sanitizer {sanitize}, {_poller.poll_policy()}", flush=True)
     started = time.perf_counter()
     stop = threading.Event()
 
@@ -60,7 +65,9 @@ def main() -> None:
     threading.Thread(target=monitor, name="monitor", daemon=True).start()
     faulthandler.dump_traceback_later(25, exit=False)
     try:
-        print("outcome, errors, passes:", test_capture._poll_during_a_capture(ops), flush=True)
+        with cs.sanitize(sanitize):
+            found = test_capture._poll_during_a_capture(ops)
+        print("outcome, errors, passes:", found, flush=True)
     except BaseException as exc:  # the scenario's own failure is the finding
         print("raised:", repr(exc)[:2000], flush=True)
     finally:
