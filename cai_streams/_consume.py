@@ -466,8 +466,22 @@ async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
             await checkpoint()
         complete = True
     finally:
-        for h in begun:
+        _finish_all(begun, complete=complete)
+
+
+def _finish_all(begun: list[_Handoff], *, complete: bool) -> None:
+    """Finish every handoff begun, even when one's finish raises (a hazard the
+    sanitizer names, say): the others' events and pins must be let go too.
+    Raises the first error once all are finished."""
+    first: BaseException | None = None
+    for h in begun:
+        try:
             h.finish(complete=complete)
+        except BaseException as exc:  # noqa: PERF203 - each must run
+            if first is None:
+                first = exc
+    if first is not None:
+        raise first
 
 
 async def consume(
@@ -519,7 +533,7 @@ async def consume(
         await _run([handoff], timeout)
     except BaseException as exc:  # a kept traceback must not keep the view's owner
         release_frames(exc)
-        del handoff
+        del handoff, obj  # (the caller may have dropped it)
         raise
     _keep_owner(handoff)
     return handoff.view
@@ -544,7 +558,7 @@ async def consume_all(
         await _run(handoffs, timeout)
     except BaseException as exc:  # a kept traceback must not keep the views' owners
         release_frames(exc)
-        del handoffs
+        del handoffs, objs  # (the caller may have dropped them)
         raise
     for h in handoffs:
         _keep_owner(h)
@@ -583,7 +597,7 @@ def consume_blocking(
     except BaseException as exc:  # a kept traceback must not keep the view's owner
         handoff.finish(complete=False)
         release_frames(exc)
-        del handoff
+        del handoff, obj  # (the caller may have dropped it)
         raise
     handoff.finish(complete=True)
     _keep_owner(handoff)
@@ -622,7 +636,7 @@ async def consuming(
         await _run([handoff], timeout)
     except BaseException as exc:  # a kept traceback must not keep the view's owner
         release_frames(exc)
-        del handoff
+        del handoff, obj  # (the caller may have dropped it)
         raise
     lease: ViewLease | None = None
     try:

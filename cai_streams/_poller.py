@@ -466,20 +466,24 @@ async def wait_for_events(
     if not pending:
         await anyio.lowlevel.checkpoint()
         return
-    if timeout is None:  # no cancel scope to enter and leave: a quicker wake
-        while pending:
-            pending = await _wait_once(_current_poller(), backend, pending)
-    else:
-        # Not anyio.fail_after: its TimeoutError, raised in a generator's
-        # __exit__, chains the cancellation, whose traceback holds the frames
-        # of that __exit__, which hold the cancellation: a cycle that kept the
-        # caller's frames (and the arrays in them) until a garbage collection
-        # (Python 3.12). This TimeoutError chains nothing.
-        with anyio.move_on_after(timeout) as scope:
+    try:
+        if timeout is None:  # no cancel scope to enter and leave: a quicker wake
             while pending:
                 pending = await _wait_once(_current_poller(), backend, pending)
-        if scope.cancelled_caught:
-            raise TimeoutError
+        else:
+            # Not anyio.fail_after: its TimeoutError, raised in a generator's
+            # __exit__, chains the cancellation, whose traceback holds the frames
+            # of that __exit__, which hold the cancellation: a cycle that kept the
+            # caller's frames (and the arrays in them) until a garbage collection
+            # (Python 3.12). This TimeoutError chains nothing.
+            with anyio.move_on_after(timeout) as scope:
+                while pending:
+                    pending = await _wait_once(_current_poller(), backend, pending)
+            if scope.cancelled_caught:
+                raise TimeoutError(f"GPU work not complete after {timeout} s")
+    except BaseException:
+        keepalive = None  # a kept traceback keeps this frame, not what it kept
+        raise
     del keepalive
 
 
@@ -521,8 +525,12 @@ def wait_blocking(
 ) -> None:
     """Block the calling thread until every event is complete, at most ``timeout`` s."""
     check_timeout(timeout)
-    with _capture_guard.relaxed(backend):
-        _wait_blocking(backend, events, timeout)
+    try:
+        with _capture_guard.relaxed(backend):
+            _wait_blocking(backend, events, timeout)
+    except BaseException:
+        keepalive = None  # a kept traceback keeps this frame, not what it kept
+        raise
     del keepalive
 
 

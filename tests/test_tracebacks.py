@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
+from collections.abc import Awaitable, Callable
 from types import FrameType, TracebackType
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
 
 import cai_streams as cs
+from cai_streams import sim
 from cai_streams._tracebacks import release_frames
+
+from .device_ops import SimOps
 
 
 def _frames(tb: TracebackType | None) -> list[FrameType]:
@@ -64,3 +76,91 @@ def test_an_exception_without_a_traceback_is_fine() -> None:
     exc = ValueError("never raised")
     release_frames(exc)
     assert exc.__traceback__ is None
+
+
+# -- the consume calls: nothing of a failed one outlives its work through the exception --
+
+
+async def _consume(items: list[Any]) -> None:
+    await cs.consume(items.pop(), timeout=0.02)
+
+
+async def _consume_all(items: list[Any]) -> None:
+    await cs.consume_all(items.pop(), timeout=0.02)
+
+
+async def _consuming(items: list[Any]) -> None:
+    async with cs.consuming(items.pop(), timeout=0.02):
+        raise AssertionError("the work is held: the block is never entered")
+
+
+async def _blocking(items: list[Any]) -> None:
+    cs.consume_blocking(items.pop(), timeout=0.02)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("call", [_consume, _consume_all, _consuming, _blocking])
+async def test_a_kept_timeout_does_not_keep_the_array_the_caller_dropped(
+    call: Callable[[list[Any]], Awaitable[None]],
+) -> None:
+    """The array is the view's owner and the consume call's own argument: the
+    call's frame, the head of the traceback, must let go of it too (the caller
+    takes it out of a list, so no frame of the test holds it)."""
+    cs.use_backend("sim")
+    ops = SimOps()
+    p = cs.Stream()
+    arr = ops.array(np.zeros(64, "float32"))
+    latch = ops.latch(p)
+    ops.fill(p, arr, 1.0)
+    arr.stream = p.handle  # a version 3 interface naming the producer's stream
+    ref = weakref.ref(arr)
+    items = [arr]
+    del arr
+    with pytest.raises(TimeoutError) as kept:
+        await call(items)
+    latch.release()
+    await anyio.lowlevel.checkpoint()
+    assert sim.device().drain(timeout=30)
+    cs.stats()
+    gc.collect()
+    assert ref() is None, "the kept exception keeps the array alive"
+    assert "GPU work not complete" in str(kept.value)
+
+
+@pytest.mark.anyio
+async def test_every_handoff_of_consume_all_is_finished_when_one_finish_raises() -> None:
+    """The sanitizer names a hazard at ``a``'s host read, in its handoff's
+    finish: ``b``'s handoff, begun too, must still give back its event and its
+    pin (it did not when ``a`` came first; the control, ``b`` first, did)."""
+    cs.use_backend("sim")
+    ops = SimOps()
+    p, p2, q = cs.Stream(), cs.Stream(), cs.Stream()
+    a = ops.array(np.zeros(8, "float32"))
+    ops.fill(p, a, 1.0)
+    a.stream = p.handle
+    b = cs.track(ops.array(np.zeros(8, "float32")))
+    latch = ops.latch(p2)
+    with b.writing(p2):
+        ops.fill(p2, b.array, 2.0)
+
+    async def writer() -> None:
+        await anyio.sleep(0.02)
+        q.wait(p)  # after a's producer, but unordered with the host read to come
+        ops.fill(q, a, 3.0)
+        latch.release()
+
+    before = cs.stats()
+    named: list[cs.HazardError] = []
+    with cs.sanitize():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(writer)
+            try:
+                await cs.consume_all(a, b, timeout=10)
+            except cs.HazardError as exc:
+                named.append(exc)
+    assert named, "the sanitizer names the write after a's read"
+    assert sim.device().drain(timeout=30)
+    gc.collect()
+    after = cs.stats()
+    assert after["events_pinned"] == before["events_pinned"]
+    assert after["events_in_flight"] <= before["events_in_flight"]
