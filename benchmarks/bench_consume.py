@@ -5,9 +5,10 @@ kernels (random durations) run on up to 16 streams, about 0.4 s of work per
 stream whatever N. Every method runs in the same process on the same backend:
 
 - ``cai_streams``: ``await event.wait()`` through the shared poller (what
-  ``await cs.consume(arr)`` does), default policy: the poller woken by a
-  doorbell (a ``close`` host function on a notifier stream ends a pipe the
-  event loop watches);
+  ``await cs.consume(arr)`` does), default policy: on the simulator, the poller
+  woken by a doorbell (a ``close`` host function on a notifier stream ends a
+  pipe the event loop watches; on cuda the default polls, and
+  ``cuda_waiting.py`` has a doorbell row of its own);
 - ``cai_streams poller``: the same with ``PollPolicy(wake="poll")``: polling
   only, the default before the doorbell;
 - ``cai_streams low-latency``: the same with ``PollPolicy.low_latency()``;

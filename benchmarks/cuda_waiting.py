@@ -7,11 +7,13 @@ per stream whatever N; every stream is held by a gate kernel until all waiters
 are waiting, then released at once. Methods, all in one process, asyncio:
 
 - ``cai_streams``: ``await event.wait()`` through the shared poller (what
-  ``await cs.consume(arr)`` does), default policy: a doorbell (a ``close``
-  host function on a notifier stream ends a pipe the event loop watches, no
-  Python on the driver thread) wakes
-  it; the goal, unverified until a GPU run: p99 wake at most 100 us at 1 to
-  100 waiters, at most 2% of one core (``cpu_s / wall_s``) while waiting;
+  ``await cs.consume(arr)`` does), default policy (on cuda: polling only, since
+  the H100 runs of 2026-11-23);
+- ``cai_streams doorbell``: the same with ``PollPolicy(wake="doorbell")``: a
+  ``close`` host function on a notifier stream ends a pipe the event loop
+  watches, no Python on the driver thread; the goal: p99 wake at most 100 us at
+  1 to 100 waiters, at most 2% of one core (``cpu_s / wall_s``) while waiting
+  (not met on an H100: docs/performance.md);
 - ``cai_streams poller``: the same with ``PollPolicy(wake="poll")``, polling only;
 - ``cai_streams low-latency``: the same with ``PollPolicy.low_latency()``;
 - ``to_thread (40 threads)``: ``await anyio.to_thread.run_sync(event.synchronize)``
@@ -164,6 +166,9 @@ def methods() -> dict[str, Method[Any]]:
     """The in-process methods, by row name."""
     return {
         "cai_streams": Method(_record, _shared, cs.PollPolicy(), close=_close),
+        "cai_streams doorbell": Method(
+            _record, _shared, cs.PollPolicy(wake="doorbell"), close=_close
+        ),
         "cai_streams poller": Method(_record, _shared, cs.PollPolicy(wake="poll"), close=_close),
         "cai_streams low-latency": Method(
             _record, _shared, cs.PollPolicy.low_latency(), close=_close

@@ -111,8 +111,8 @@ def _consume_overhead(repeats: int, n: int) -> list[Result]:
     return results
 
 
-#: the methods measured under every event loop (blocking stalls any loop alike;
-#: the default policy rings the doorbell on the simulator: no twin row)
+#: the methods measured under every event loop on the simulator (blocking stalls
+#: any loop alike; the default policy rings the doorbell there: no twin row)
 OTHER_LOOP_METHODS = (
     "cai_streams",
     "cai_streams poller",

@@ -83,6 +83,7 @@ CUDA_PEERS = {
     },
     "waiting": {
         "cai_streams",
+        "cai_streams doorbell",
         "cai_streams low-latency",
         "poll 1 ms",
         "blocking",
