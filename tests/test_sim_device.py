@@ -415,3 +415,36 @@ def test_graph_replay_runs_unordered_branches_in_varying_orders() -> None:
     backend.destroy_graph_exec(graph_exec)
     backend.destroy_graph(graph)
     backend.destroy_event(event)
+
+
+def test_a_capture_begun_during_a_record_comes_wholly_before_or_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread begins a capture on the stream while a record is being
+    enqueued there. The record lands before the capture (or in it, as on the
+    driver), never in between: the simulator used to hand the record's mark to
+    the capture, which dropped it, and the event never completed."""
+    backend = cs.use_backend("sim")
+    s = cs.Stream()
+    event = backend.create_event()
+    real = backend._enqueue  # type: ignore[attr-defined]
+    others: list[threading.Thread] = []
+
+    def begin_meanwhile(stream: Any, *ops: Any) -> None:
+        monkeypatch.setattr(backend, "_enqueue", real)
+        other = threading.Thread(target=backend.begin_capture, args=(s.handle, "relaxed"))
+        other.start()
+        other.join(0.2)  # long enough to begin, had the record let it in
+        others.append(other)
+        real(stream, *ops)
+
+    monkeypatch.setattr(backend, "_enqueue", begin_meanwhile)
+    try:
+        backend.record(event, s.handle)
+        others[0].join(10)
+        assert not others[0].is_alive()
+        backend.destroy_graph(backend.end_capture(s.handle))
+        s.synchronize()
+        assert backend.query(event), "the record was lost"
+    finally:
+        backend.destroy_event(event)

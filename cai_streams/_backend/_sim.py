@@ -350,12 +350,15 @@ class SimBackend(Backend):
                 f"is on device {device.ordinal}",
             )
         device.check_usable()
-        if target.capture is not None:
-            self._captures.record_event(ev, target)
-            return
-        point = Point()
-        self._enqueue(target, ("mark", point))
-        ev.captured, ev.point = None, point
+        with self._lock:  # the capture check and the record as one: a capture
+            # begun in between would take the mark and drop it, and the event
+            # would never complete (the driver records into the capture instead)
+            if target.capture is not None:
+                self._captures.record_event(ev, target)
+                return
+            point = Point()
+            self._enqueue(target, ("mark", point))
+            ev.captured, ev.point = None, point
 
     def query(self, event: int) -> bool:
         ev = self._event(event)
