@@ -261,6 +261,8 @@ class _Use(enum.Enum):
     COUNTED = "counted"
     #: let go of (its release was settled, or its ``consuming()`` block ended)
     DONE = "done"
+    #: let go of, its record waiting for a capture to end: not counted yet
+    UNCOUNTED = "uncounted"
 
 
 def _view_released(ref: weakref.ref[ArrayView]) -> None:
@@ -337,6 +339,9 @@ class _Lease:
         the caller's view being the one let go). False when the stream is
         capturing (asked again later)."""
         if self.state is not LeaseState.IN_USE:
+            if released and self.state is LeaseState.HELD:
+                with _in_use_lock:
+                    table.merged += 1  # a later view's record covered it
             return True
         on = self._target()
         if _waits_for_capture(on):  # a driver call: another thread may join meanwhile
@@ -430,10 +435,15 @@ class ViewLease(weakref.ref[ArrayView]):
         lease = self.lease
         with lease._lock:
             if self.use is not _Use.COUNTED:
-                return lease.record_unless_used()
-            if not self._let_go():
+                released = self.use is _Use.UNCOUNTED
+            elif not self._let_go():
                 return True
-            return lease.record_unless_used(released=True)
+            else:
+                released = True
+            done = lease.record_unless_used(released=released)
+            if released:
+                self.use = _Use.DONE if done else _Use.UNCOUNTED
+            return done
 
     def end_use(self) -> None:
         """``consuming()`` exit, in the consumer's thread: record the hold now
@@ -445,8 +455,9 @@ class ViewLease(weakref.ref[ArrayView]):
                 return
             if _waits_for_capture(lease._target()):
                 return
-            if self._let_go():
-                lease.record_unless_used(released=True)
+            if self._let_go() and not lease.record_unless_used(released=True):
+                self.use = _Use.UNCOUNTED
+                table.released_views.append(self)  # retried once the capture ends
 
     def __hash__(self) -> int:
         return id(self)

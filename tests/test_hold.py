@@ -27,7 +27,7 @@ import pytest
 import cai_streams as cs
 from cai_streams import _config, _hold, sim
 
-from .device_ops import DeviceOps, Latch
+from .device_ops import DeviceOps, Latch, SimOps
 
 WAIT = 10.0  # seconds: every wait here is bounded by this
 
@@ -899,3 +899,73 @@ def test_the_example_in_the_lifetime_docs_runs_and_shows_the_hazard() -> None:
     finally:
         namespace.clear()  # its functions and arrays form a cycle with it: free them now
         gc.collect()
+
+
+# -- a release that meets a capture: retried, counted once, recorded ------------------------
+
+
+def test_a_release_retried_after_a_capture_is_counted_once() -> None:
+    """``v1``'s settle meets a capture on its stream and is retried later; ``v2``
+    of the same owner joins meanwhile. The retry is covered by ``v2``'s record:
+    merged. It was counted neither made nor merged (the retry lost the fact
+    that it was a release)."""
+    backend = cs.use_backend("sim")
+    ops = SimOps()
+    s = cs.Stream()
+    latch = ops.latch(s)
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    v1 = cs.consume_blocking(box, stream=s)
+    start = cs.stats()
+    backend.begin_capture(s.handle, "global")
+    del v1
+    cs.stats()  # v1's settle: the stream captures, asked again later
+    v2 = cs.consume_blocking(box, stream=s)  # the same lease, during the capture
+    backend.destroy_graph(backend.end_capture(s.handle))
+    cs.stats()  # v1 retried: v2 is in use
+    del v2
+    end = cs.stats()
+    made = end["holds_made"] - start["holds_made"]
+    merged = end["holds_merged"] - start["holds_merged"]
+    assert (made, merged) == (1, 1)
+    latch.release()
+
+
+@pytest.mark.anyio
+async def test_a_consuming_exit_that_meets_a_capture_records_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``consuming()`` on the legacy stream: its exit asks the capture state,
+    lets the view go, and asks again to record; another thread begins a capture
+    on its blocking stream (handle 2) in between, which the legacy stream cannot
+    record past. The record is retried once that capture ends: the owner goes
+    when the stream passes it. It was kept for good, counted nowhere."""
+    backend = cs.use_backend("sim")
+    box = Box(SimOps().array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    real = _hold._waits_for_capture
+    asks: list[object] = []
+    capturing, finish = threading.Event(), threading.Event()
+
+    def other_thread_captures() -> None:
+        backend.begin_capture(2, "relaxed")  # that thread's blocking handle 2
+        capturing.set()
+        finish.wait(WAIT)
+        backend.destroy_graph(backend.end_capture(2))
+
+    def begins_between(on: Any) -> bool:
+        asks.append(on)
+        if len(asks) == 2:  # the second ask, where a driver call lets the GIL go
+            threading.Thread(target=other_thread_captures, daemon=True).start()
+            assert capturing.wait(WAIT)
+        return real(on)
+
+    start = cs.stats()
+    monkeypatch.setattr(_hold, "_waits_for_capture", begins_between)
+    async with cs.consuming(box, stream=1) as view:
+        pass
+    monkeypatch.undo()
+    del view, box
+    finish.set()
+    assert released_soon(ref)
+    end, begun = cs.stats(), start["holds_made"] + start["holds_merged"]
+    assert end["holds_made"] + end["holds_merged"] == begun + 1
