@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -206,7 +207,15 @@ class _Settings:
     def hold_limit_bytes(self, value: int) -> None:
         self._hold_limit_bytes = value
 
+    def hold_limits(self) -> tuple[int, int, int]:
+        """``(hold_limit_count, hold_limit_bytes, limits_set)`` of one setting,
+        as :func:`configure` left them (never half of a concurrent call's)."""
+        with _limits_lock:
+            return self.hold_limit_count, self.hold_limit_bytes, self.limits_set
 
+
+#: configure()'s hold limits and their count, changed and read as one
+_limits_lock = threading.Lock()
 settings = _Settings()
 
 
@@ -241,7 +250,8 @@ def configure(
         settings.sync = sync
     if export_stream is not None:
         settings.export_stream = export_stream
-    for name, limit in checked.items():
-        setattr(settings, name, limit)
     if checked:
-        settings.limits_set += 1
+        with _limits_lock:
+            for name, limit in checked.items():
+                setattr(settings, name, limit)
+            settings.limits_set += 1

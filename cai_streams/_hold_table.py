@@ -124,8 +124,8 @@ class HoldTable:
         return bool((count and self.count > count) or (nbytes and self.nbytes > nbytes))
 
     def _warn(self, stacklevel: int) -> None:
-        limits = (settings.hold_limit_count, settings.hold_limit_bytes)
-        setting = (*limits, settings.limits_set)
+        setting = settings.hold_limits()
+        limits = setting[:2]
         with self._lock:
             if self._warned_at == setting:
                 return
