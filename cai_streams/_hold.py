@@ -47,7 +47,7 @@ from . import _capture_guard, _observe
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._deferred import in_collection, later
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
-from ._events import lone, pool_for, record
+from ._events import EventPool, lone, pool_for, record
 from ._hold_table import Hold, Ranges, table, tick
 from ._identity import Lifetime, StreamId, thread_serial
 from ._interface import ArrayView, byte_range, parse
@@ -125,7 +125,46 @@ def _record_hold(
     except BaseException:
         pool.release(event)
         raise
+    if mark.captured:  # another thread began a capture after the caller's check
+        table.released_views.append(_CapturedRecord(pool, event, key, owner, nbytes, ranges))
+        return
     table.add(Hold(pool, event, mark, owner, nbytes, ranges), stacklevel=stacklevel + 1)
+
+
+class _CapturedRecord:
+    """A hold whose record landed in a graph capture that another thread began
+    between the caller's capture check and the record: the event stands for
+    nothing that runs on the stream, and a query of it would invalidate the
+    capture. It waits with the released views (``settle``); once the stream
+    has stopped capturing, the event is recorded again, after everything
+    enqueued there so far (the work the hold is for among it), and the hold
+    joins the table. The owner is kept meanwhile."""
+
+    __slots__ = ("event", "key", "nbytes", "owner", "pool", "ranges")
+
+    def __init__(
+        self, pool: EventPool, event: int, key: StreamId, owner: object, nbytes: int, ranges: Ranges
+    ) -> None:
+        self.pool, self.event, self.key = pool, event, key
+        self.owner, self.nbytes, self.ranges = owner, nbytes, ranges
+
+    def settle(self) -> bool:
+        """Record again if the stream no longer captures; False to be asked later."""
+        key = self.key
+        if _capture_guard.capturing(key.backend, key) is not False:
+            return False  # under way, or another thread's handle 2: asked again later
+        try:
+            with _OnDevice(key.backend, key.device, key.handle):
+                mark = record(key.backend, self.event, key)
+        except CudaError as exc:  # the stream is gone: its work may still run
+            self.pool.release(self.event)
+            _keep_for_good(self.owner, key, exc, stacklevel=2)
+            return True
+        if mark.captured:  # a capture began again meanwhile
+            return False
+        hold = Hold(self.pool, self.event, mark, self.owner, self.nbytes, self.ranges)
+        table.add(hold, stacklevel=2)
+        return True
 
 
 def hold(owner: object, *, until: object) -> None:

@@ -969,3 +969,42 @@ async def test_a_consuming_exit_that_meets_a_capture_records_later(
     assert released_soon(ref)
     end, begun = cs.stats(), start["holds_made"] + start["holds_merged"]
     assert end["holds_made"] + end["holds_merged"] == begun + 1
+
+
+def test_a_capture_begun_between_the_check_and_the_record_keeps_the_owner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread begins a capture of the consumer's stream after the
+    settle's capture check, before the hold's record: the record lands in the
+    capture. The hold waits, unqueried, for the capture to end (a query would
+    invalidate it), then records again: the owner lives until the stream
+    passes its work. It used to be queried at once (the capture invalidated),
+    taken for failed work, and let go under the held stream."""
+    backend = cs.use_backend("sim")
+    ops = SimOps()
+    s = cs.Stream()
+    latch = ops.latch(s)
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    view = cs.consume_blocking(box, stream=s)
+    del view, box
+    real = _hold._waits_for_capture
+
+    def then_a_capture_begins(on: Any) -> bool:
+        found = real(on)
+        monkeypatch.setattr(_hold, "_waits_for_capture", real)
+        other = threading.Thread(target=backend.begin_capture, args=(s.handle, "relaxed"))
+        other.start()
+        other.join(WAIT)
+        return found
+
+    monkeypatch.setattr(_hold, "_waits_for_capture", then_a_capture_begins)
+    cs.stats()
+    cs.stats()
+    gc.collect()
+    assert ref() is not None, "let go while the latch holds the stream"
+    backend.destroy_graph(backend.end_capture(s.handle))  # not invalidated
+    cs.stats()
+    assert ref() is not None
+    latch.release()
+    assert released_soon(ref)
