@@ -149,16 +149,23 @@ class _CapturedRecord:
         self.owner, self.nbytes, self.ranges = owner, nbytes, ranges
 
     def settle(self) -> bool:
-        """Record again if the stream no longer captures; False to be asked later."""
-        key = self.key
-        if _capture_guard.capturing(key.backend, key) is not False:
-            return False  # under way, or another thread's handle 2: asked again later
+        """Record again if the stream no longer captures; False to be asked later.
+        Where a view's lease would record (another thread's handle 2: the
+        legacy stream), and with the same outcomes when it cannot."""
+        on = _record_target(self.key)
+        if _waits_for_capture(on):
+            return False
         try:
-            with _OnDevice(key.backend, key.device, key.handle):
-                mark = record(key.backend, self.event, key)
+            with _OnDevice(on.backend, on.device, on.handle):
+                mark = record(on.backend, self.event, on)
+        except CaptureError:  # the legacy stream, while a blocking stream began one
+            return False
+        except KernelError:  # the device faulted: the work after the fault never runs
+            self.pool.release(self.event)
+            return True
         except CudaError as exc:  # the stream is gone: its work may still run
             self.pool.release(self.event)
-            _keep_for_good(self.owner, key, exc, stacklevel=2)
+            _keep_for_good(self.owner, self.key, exc, stacklevel=2)
             return True
         if mark.captured:  # a capture began again meanwhile
             return False
