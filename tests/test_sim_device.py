@@ -19,6 +19,8 @@ from cai_streams import sim
 
 from .device_ops import SimOps
 
+WAIT = 10.0  # seconds: a bound on a join here
+
 
 @pytest.fixture(autouse=True)
 def _sim() -> Iterator[None]:
@@ -421,9 +423,9 @@ def test_a_capture_begun_during_a_record_comes_wholly_before_or_after_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Another thread begins a capture on the stream while a record is being
-    enqueued there. The record lands before the capture (or in it, as on the
-    driver), never in between: the simulator used to hand the record's mark to
-    the capture, which dropped it, and the event never completed."""
+    enqueued there. The record lands in the capture, as on the driver (or
+    before it), never in between: the simulator used to hand the record's mark
+    to the capture, which dropped it, and the event never completed."""
     backend = cs.use_backend("sim")
     s = cs.Stream()
     event = backend.create_event()
@@ -434,7 +436,7 @@ def test_a_capture_begun_during_a_record_comes_wholly_before_or_after_it(
         monkeypatch.setattr(backend, "_enqueue", real)
         other = threading.Thread(target=backend.begin_capture, args=(s.handle, "relaxed"))
         other.start()
-        other.join(0.2)  # long enough to begin, had the record let it in
+        other.join(WAIT)  # the capture begins between the check and the enqueue
         others.append(other)
         real(stream, *ops)
 
@@ -445,6 +447,7 @@ def test_a_capture_begun_during_a_record_comes_wholly_before_or_after_it(
         assert not others[0].is_alive()
         backend.destroy_graph(backend.end_capture(s.handle))
         s.synchronize()
-        assert backend.query(event), "the record was lost"
+        with pytest.raises(cs.CudaError, match="last recorded in a capture that has ended"):
+            backend.query(event)  # (a lost record was never complete: False)
     finally:
         backend.destroy_event(event)

@@ -231,14 +231,14 @@ class SimBackend(Backend):
             raise sim_error(400, f"no simulated stream has handle {handle:#x}")
         return found
 
-    def _enqueue(self, stream: SimStream, *ops: _Op) -> None:
+    def _enqueue(self, stream: SimStream, *ops: _Op) -> bool:
         """Enqueue on ``stream`` with the default streams' implicit ordering, or
-        record into its capture."""
+        record into its capture; False for the latter."""
         device = stream.device
         device.check_usable()
         if stream.capture is not None:
             self._captures.record_ops(stream, ops)
-            return
+            return False
         legacy = device.legacy
         if stream is legacy:
             self._captures.check_legacy(device)
@@ -251,6 +251,7 @@ class SimBackend(Backend):
             if point is not None:
                 stream.push(("wait", point))
         stream.push(*ops)
+        return True
 
     def create_stream(self, device: int | None = None) -> int:
         dev = self._device(device)
@@ -350,15 +351,18 @@ class SimBackend(Backend):
                 f"is on device {device.ordinal}",
             )
         device.check_usable()
-        with self._lock:  # the capture check and the record as one: a capture
-            # begun in between would take the mark and drop it, and the event
-            # would never complete (the driver records into the capture instead)
+        while True:
             if target.capture is not None:
                 self._captures.record_event(ev, target)
                 return
             point = Point()
-            self._enqueue(target, ("mark", point))
-            ev.captured, ev.point = None, point
+            if self._enqueue(target, ("mark", point)):
+                ev.captured, ev.point = None, point
+                return
+            # A capture that another thread began since the check above took the
+            # mark (and dropped it): the driver records into the capture, and so
+            # does this, from the top. (No lock across the check and the enqueue:
+            # the enqueue takes stream locks, under which a finalizer may call in.)
 
     def query(self, event: int) -> bool:
         ev = self._event(event)
