@@ -472,14 +472,23 @@ async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
 def _finish_all(begun: list[_Handoff], *, complete: bool) -> None:
     """Finish every handoff begun, even when one's finish raises (a hazard the
     sanitizer names, say): the others' events and pins must be let go too.
-    Raises the first error once all are finished."""
+    Once all are finished, raises the first error, or the first interrupt or
+    cancellation (not an ``Exception``) if one came, with the first error as
+    its context."""
     first: BaseException | None = None
+    stop: BaseException | None = None
     for h in begun:
         try:
             h.finish(complete=complete)
         except BaseException as exc:  # noqa: PERF203 - each must run
+            if stop is None and not isinstance(exc, Exception):
+                stop = exc
             if first is None:
                 first = exc
+    if stop is not None and stop is not first:
+        if stop.__context__ is None:
+            stop.__context__ = first
+        raise stop
     if first is not None:
         raise first
 
@@ -587,8 +596,15 @@ def consume_blocking(
     limit = BLOCK_TIMEOUT if timeout is None else timeout
     deadline = time.monotonic() + limit
     me = current_owner()
-    while (blocked := handoff.begin(me)) is not None:
-        wait_block_sync(blocked.block, me, deadline, "consume_blocking()")
+    blocked: Blocked | None = None
+    try:
+        while (blocked := handoff.begin(me)) is not None:
+            wait_block_sync(blocked.block, me, deadline, "consume_blocking()")
+    except BaseException as exc:  # a kept traceback must not keep the view's owner
+        release_frames(exc)
+        del handoff, obj  # (the caller may have dropped it)
+        blocked = None  # (another thread's block of the array)
+        raise
     try:
         if handoff.events:  # complete work (the common case) has nothing to wait for
             events = [e for e, _ in handoff.events]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 import weakref
 from collections.abc import Awaitable, Callable
 from types import FrameType, TracebackType
@@ -16,6 +17,7 @@ import pytest
 
 import cai_streams as cs
 from cai_streams import sim
+from cai_streams._consume import _finish_all
 from cai_streams._tracebacks import release_frames
 
 from .device_ops import SimOps
@@ -164,3 +166,59 @@ async def test_every_handoff_of_consume_all_is_finished_when_one_finish_raises()
     after = cs.stats()
     assert after["events_pinned"] == before["events_pinned"]
     assert after["events_in_flight"] <= before["events_in_flight"]
+
+
+def test_a_blocking_consume_that_times_out_behind_a_write_block_keeps_nothing() -> None:
+    """``consume_blocking`` waits for another thread's ``writing()`` block of
+    the array and times out there: the kept exception must not keep the array
+    the caller dropped (that wait was outside the part that lets go)."""
+    cs.use_backend("sim")
+    s = cs.Stream()
+    items = [cs.track(SimOps().array(np.zeros(64, "float32")))]
+    ref = weakref.ref(items[0])
+    inside, finish = threading.Event(), threading.Event()
+
+    def writer(t: cs.TrackedArray) -> None:
+        with t.writing(s):
+            inside.set()
+            finish.wait(10)
+
+    thread = threading.Thread(target=writer, args=(items[0],))
+    thread.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(TimeoutError) as kept:
+            cs.consume_blocking(items.pop(), timeout=0.05)
+    finally:
+        finish.set()
+        thread.join(10)
+    s.synchronize()
+    cs.stats()
+    gc.collect()
+    assert ref() is None, "the kept exception keeps the array alive"
+    assert kept.value.__traceback__ is not None
+
+
+class _Finishing:
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+        self.finished = False
+
+    def finish(self, *, complete: bool) -> None:
+        self.finished = True
+        if self.error is not None:
+            raise self.error
+
+
+def test_finishing_all_handoffs_raises_an_interrupt_over_an_error() -> None:
+    """Every handoff is finished; an interrupt (or a cancellation) that comes
+    after an error is raised, with the error as its context, not lost."""
+    handoffs = [_Finishing(ValueError("hazard")), _Finishing(KeyboardInterrupt()), _Finishing(None)]
+    with pytest.raises(KeyboardInterrupt) as raised:
+        _finish_all(handoffs, complete=False)  # type: ignore[arg-type]
+    assert isinstance(raised.value.__context__, ValueError)
+    assert all(h.finished for h in handoffs)
+    errors = [_Finishing(ValueError("first")), _Finishing(RuntimeError("second"))]
+    with pytest.raises(ValueError, match="first"):
+        _finish_all(errors, complete=True)  # type: ignore[arg-type]
+    assert all(h.finished for h in errors)
