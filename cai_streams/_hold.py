@@ -47,9 +47,9 @@ from . import _capture_guard, _observe
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._deferred import in_collection, later
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
-from ._events import EventPool, lone, pool_for, record
+from ._events import EventPool, Mark, lone, pool_for, record
 from ._hold_table import Hold, Ranges, table, tick
-from ._identity import Lifetime, StreamId, thread_serial
+from ._identity import Lifetime, StreamId, is_open, lifetime_of, thread_serial
 from ._interface import ArrayView, byte_range, parse
 from ._stream import Stream, as_stream
 
@@ -122,13 +122,27 @@ def _record_hold(
     try:
         with _OnDevice(key.backend, key.device, key.handle):
             mark = record(key.backend, event, key)
+    except CaptureError:  # the legacy stream, a blocking stream's capture begun meanwhile
+        _CapturedRecord(pool, event, key, owner, nbytes, ranges, recorded=False).wait()
+        return
     except BaseException:
         pool.release(event)
         raise
-    if mark.captured:  # another thread began a capture after the caller's check
-        table.released_views.append(_CapturedRecord(pool, event, key, owner, nbytes, ranges))
+    # Another thread may have begun a capture of the stream after the caller's
+    # check: between record()'s own ask and the record, the capture has it and
+    # the mark cannot say so. Asked once more: either way, it waits. (A record
+    # on the legacy stream that succeeded is in no capture.)
+    if mark.captured or (key.handle != LEGACY_DEFAULT_STREAM and _waits_for_capture(key)):
+        _CapturedRecord(pool, event, key, owner, nbytes, ranges, recorded=True).wait()
         return
     table.add(Hold(pool, event, mark, owner, nbytes, ranges), stacklevel=stacklevel + 1)
+
+
+class _Retry(enum.Enum):
+    """Where a :class:`_CapturedRecord` is."""
+
+    WAITING = "waiting for the capture to end"
+    DONE = "recorded again, or given up"
 
 
 class _CapturedRecord:
@@ -138,20 +152,92 @@ class _CapturedRecord:
     capture. It waits with the released views (``settle``); once the stream
     has stopped capturing, the event is recorded again, after everything
     enqueued there so far (the work the hold is for among it), and the hold
-    joins the table. The owner is kept meanwhile."""
+    joins the table. The owner is kept meanwhile. A stream of this library's
+    that closes first records it while it still exists (``stream_closing``);
+    one whose end the library cannot see (another library's handle) keeps the
+    owner for good: its handle may name another stream by the time it could."""
 
-    __slots__ = ("event", "key", "nbytes", "owner", "pool", "ranges")
+    __slots__ = (
+        "_lock",
+        "event",
+        "key",
+        "lifetime",
+        "nbytes",
+        "owner",
+        "pool",
+        "ranges",
+        "recorded",
+        "state",
+    )
 
     def __init__(
-        self, pool: EventPool, event: int, key: StreamId, owner: object, nbytes: int, ranges: Ranges
+        self,
+        pool: EventPool,
+        event: int,
+        key: StreamId,
+        owner: object,
+        nbytes: int,
+        ranges: Ranges,
+        *,
+        recorded: bool,
     ) -> None:
         self.pool, self.event, self.key = pool, event, key
         self.owner, self.nbytes, self.ranges = owner, nbytes, ranges
+        #: whether the event may be recorded in a capture (never to be queried then)
+        self.recorded = recorded
+        self.state = _Retry.WAITING
+        self._lock = threading.RLock()  # (a limit passed while adding may settle it)
+        self.lifetime: Lifetime | None = None
+
+    def wait(self) -> None:
+        """Queue it for :meth:`settle`, listening for its stream's close."""
+        key = self.key
+        if key.generation > 0:
+            lifetime = lifetime_of(key.backend, key.handle)
+            if lifetime is not None and lifetime.generation == key.generation:
+                if lifetime.listen(self):
+                    self.lifetime = lifetime
+        elif key.handle not in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM):
+            # another library's stream: its handle may name another stream by the
+            # time the capture ends, and a record there would let the owner go early
+            self._give_up("a graph capture began on it meanwhile, and its end cannot be seen")
+            return
+        table.released_views.append(self)
+
+    def _give_up(self, why: object) -> None:
+        self.state = _Retry.DONE
+        self._release_event()
+        _keep_for_good(self.owner, self.key, why, stacklevel=3)
+
+    def _release_event(self) -> None:
+        """Back to the pool: one the capture may hold is taken back once the
+        stream stops capturing, without a query (that would invalidate it)."""
+        if self.recorded:
+            self.pool.release(self.event, None, Mark(self.key, 0, captured=True))
+        else:
+            self.pool.release(self.event)
 
     def settle(self) -> bool:
         """Record again if the stream no longer captures; False to be asked later.
         Where a view's lease would record (another thread's handle 2: the
         legacy stream), and with the same outcomes when it cannot."""
+        with self._lock:
+            if self.state is _Retry.DONE:
+                return True
+            if self.key.generation > 0 and not is_open(self.key):
+                self._give_up("the stream closed while a capture kept its record")
+                return True
+            return self._record()
+
+    def stream_closing(self) -> None:
+        """Its stream is about to close (no capture is under way on it then):
+        record while it exists."""
+        with self._lock:
+            if self.state is _Retry.WAITING and not self._record():
+                self._give_up("the stream closed while a capture kept its record")
+
+    def _record(self) -> bool:
+        """``_lock`` held: record again now if the stream does not capture."""
         on = _record_target(self.key)
         if _waits_for_capture(on):
             return False
@@ -161,17 +247,26 @@ class _CapturedRecord:
         except CaptureError:  # the legacy stream, while a blocking stream began one
             return False
         except KernelError:  # the device faulted: the work after the fault never runs
-            self.pool.release(self.event)
+            self.state = _Retry.DONE
+            self._release_event()
+            self._forget()
             return True
         except CudaError as exc:  # the stream is gone: its work may still run
-            self.pool.release(self.event)
-            _keep_for_good(self.owner, self.key, exc, stacklevel=2)
+            self._give_up(exc)
+            self._forget()
             return True
         if mark.captured:  # a capture began again meanwhile
             return False
+        self.state = _Retry.DONE  # first: the add may settle the queue, this among it
+        self._forget()
         hold = Hold(self.pool, self.event, mark, self.owner, self.nbytes, self.ranges)
-        table.add(hold, stacklevel=2)
+        table.add(hold, stacklevel=3)
         return True
+
+    def _forget(self) -> None:
+        if self.lifetime is not None:
+            self.lifetime.forget(self)
+            self.lifetime = None
 
 
 def hold(owner: object, *, until: object) -> None:

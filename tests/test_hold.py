@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import cai_streams as cs
-from cai_streams import _config, _hold, sim
+from cai_streams import _capture_guard, _config, _hold, sim
 
 from .device_ops import DeviceOps, Latch, SimOps
 
@@ -1008,3 +1008,117 @@ def test_a_capture_begun_between_the_check_and_the_record_keeps_the_owner(
     assert ref() is not None
     latch.release()
     assert released_soon(ref)
+
+
+def test_a_capture_begun_inside_the_record_keeps_the_owner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The capture begins between the record's own capture ask and the record
+    (its mark says "not captured"): the hold asks again after recording, and
+    waits unqueried. It used to join the table, be queried (invalidating the
+    capture) and let the owner go under the held stream."""
+    backend = cs.use_backend("sim")
+    ops = SimOps()
+    s = cs.Stream()
+    latch = ops.latch(s)
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    real = _capture_guard.capturing
+    asks: list[object] = []
+
+    def then_a_capture_begins(b: cs.Backend, key: Any) -> bool | None:
+        found = real(b, key)
+        asks.append(key)
+        if len(asks) == 1:  # the record's own ask (hold() asked the backend directly)
+            other = threading.Thread(target=backend.begin_capture, args=(s.handle, "relaxed"))
+            other.start()
+            other.join(WAIT)
+        return found
+
+    monkeypatch.setattr(_capture_guard, "capturing", then_a_capture_begins)
+    cs.hold(box, until=s)
+    monkeypatch.undo()
+    del box
+    for _ in range(3):
+        cs.stats()
+    assert ref() is not None, "let go while the latch holds the stream"
+    backend.destroy_graph(backend.end_capture(s.handle))  # not invalidated
+    latch.release()
+    assert released_soon(ref)
+
+
+def test_a_hold_waiting_for_a_capture_records_before_its_stream_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The capture ends and the stream is closed (its work still drains) before
+    the waiting hold is retried, and a new stream takes the handle: the hold
+    recorded on the closing stream, not on the new one (which is idle, and
+    would have let the owner go under the old stream's work)."""
+    backend = cs.use_backend("sim")
+    ops = SimOps()
+    s = cs.Stream()
+    latch = ops.latch(s)
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    view = cs.consume_blocking(box, stream=s)
+    del view, box
+    real = _hold._waits_for_capture
+
+    def then_a_capture_begins(on: Any) -> bool:
+        found = real(on)
+        monkeypatch.setattr(_hold, "_waits_for_capture", real)
+        other = threading.Thread(target=backend.begin_capture, args=(s.handle, "relaxed"))
+        other.start()
+        other.join(WAIT)
+        return found
+
+    monkeypatch.setattr(_hold, "_waits_for_capture", then_a_capture_begins)
+    cs.stats()
+    cs.stats()  # asked again while the capture is under way: it waits
+    backend.destroy_graph(backend.end_capture(s.handle))
+    handle = s.handle
+    s.close()
+    successor = cs.Stream()
+    assert successor.handle == handle  # the simulator reuses it at once, as CUDA may
+    for _ in range(20):
+        cs.stats()
+        gc.collect()
+    assert ref() is not None, "recorded on the successor: let go under the old work"
+    latch.release()
+    assert released_soon(ref)
+
+
+def test_a_hold_on_another_librarys_stream_whose_record_a_capture_took_is_kept_for_good(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream whose end the library cannot see (a bare handle): by the time the
+    capture ends its handle may name another stream, so the owner is kept for
+    good, with a warning, rather than let go early."""
+    backend = cs.use_backend("sim")
+    ops = SimOps()
+    raw = backend.create_stream()
+    latch = ops.latch(cs.Stream.wrap(raw))
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    real = backend.capture_status
+
+    def then_a_capture_begins(handle: int) -> Any:
+        found = real(handle)
+        monkeypatch.setattr(backend, "capture_status", real)
+        other = threading.Thread(target=backend.begin_capture, args=(raw, "relaxed"))
+        other.start()
+        other.join(WAIT)
+        return found
+
+    monkeypatch.setattr(backend, "capture_status", then_a_capture_begins)
+    try:
+        with pytest.warns(cs.CudaWarning, match="kept Box alive for good"):
+            cs.hold(box, until=raw)
+        del box
+        backend.destroy_graph(backend.end_capture(raw))  # not invalidated
+        latch.release()
+        backend.synchronize_stream(raw)
+        cs.stats()
+        assert ref() is not None
+    finally:
+        backend.destroy_stream(raw)
