@@ -369,17 +369,27 @@ def _record_in_collection(key: StreamId, owner: object, nbytes: int, ranges: Ran
             except BaseException:
                 backend.destroy_event(event)
                 raise
+            # a capture another thread began since hold()'s check has the record
+            # (the legacy stream's is in none: a capture never takes it)
+            captured = (
+                key.handle != LEGACY_DEFAULT_STREAM and backend.capture_status(key.handle) != "none"
+            )
     except KernelError:  # the device faulted: work after the fault never runs
         return
     except CudaError as exc:
         _keep_for_good(owner, key, exc, stacklevel=3)
         return
-    later(functools.partial(_join_table, key, event, owner, nbytes, ranges))
+    later(functools.partial(_join_table, key, event, owner, nbytes, ranges, captured))
 
 
-def _join_table(key: StreamId, event: int, owner: object, nbytes: int, ranges: Ranges) -> None:
+def _join_table(
+    key: StreamId, event: int, owner: object, nbytes: int, ranges: Ranges, captured: bool
+) -> None:
     pool = pool_for(key.backend, key.device)  # the event returns to it once complete
     pool.adopt(event)
+    if captured:
+        _CapturedRecord(pool, event, key, owner, nbytes, ranges, recorded=True).wait()
+        return
     table.add(Hold(pool, event, lone(key), owner, nbytes, ranges), stacklevel=3)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import cai_streams as cs
-from cai_streams import _capture_guard, _config, _hold, sim
+from cai_streams import _capture_guard, _config, _hold, _hold_table, sim
 
 from .device_ops import DeviceOps, Latch, SimOps
 
@@ -1122,3 +1122,82 @@ def test_a_hold_on_another_librarys_stream_whose_record_a_capture_took_is_kept_f
         assert ref() is not None
     finally:
         backend.destroy_stream(raw)
+
+
+def test_a_finalizers_hold_whose_record_a_capture_took_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``hold()`` in a garbage collection records through the backend alone; a
+    capture another thread begins before that record takes it. The hold asks
+    again after recording and waits, unqueried, for the capture to end: the
+    capture stays valid and the owner lives until the stream passes its work.
+    (The owner says when it goes: a weakref or a finalizer of an object the
+    collection frees would be cleared or run even though the hold keeps it.)"""
+    backend = cs.use_backend("sim")
+    ops = SimOps()
+    s = cs.Stream()
+    latch = ops.latch(s)
+    freed = threading.Event()
+
+    class Owner:
+        def __del__(self) -> None:
+            freed.set()
+
+    class Finalized:
+        def __init__(self, owner: Owner) -> None:
+            self.me = self  # a cycle: only a collection frees it
+            self.owner = owner
+
+        def __del__(self) -> None:
+            cs.hold(self.owner, until=s)
+
+    owner = Owner()
+    Finalized(owner)
+    real = backend.create_event
+
+    def then_a_capture_begins(device: int | None = None) -> int:
+        monkeypatch.setattr(backend, "create_event", real)
+        other = threading.Thread(target=backend.begin_capture, args=(s.handle, "relaxed"))
+        other.start()
+        other.join(WAIT)
+        return real(device)
+
+    monkeypatch.setattr(backend, "create_event", then_a_capture_begins)
+    gc.collect()
+    del owner  # the hold keeps it now
+    for _ in range(3):
+        cs.stats()
+    assert not freed.is_set(), "let go while the latch holds the stream"
+    backend.destroy_graph(backend.end_capture(s.handle))  # not invalidated
+    cs.stats()
+    assert not freed.is_set()
+    latch.release()
+    deadline = time.monotonic() + WAIT
+    while not freed.is_set() and time.monotonic() < deadline:
+        cs.stats()
+        time.sleep(0.01)
+    assert freed.is_set()
+
+
+def test_passing_a_limit_releases_completed_holds_without_a_sweep(
+    monkeypatch: pytest.MonkeyPatch, limits: None
+) -> None:
+    """A hold added past a limit releases completed holds, but runs neither
+    finalizers' queued work nor the queued views' settles: its caller may
+    hold a lease's lock, and a stream end that work runs takes its listeners'
+    locks (two threads deadlocked so in a review)."""
+    cs.use_backend("sim")
+    ops = SimOps()
+    cs.configure(hold_limit_count=1)
+    s = cs.Stream()
+    latch = ops.latch(s)
+
+    def no_sweep() -> None:
+        raise AssertionError("a sweep from inside add()")
+
+    monkeypatch.setattr(_hold_table.table, "sweep", no_sweep)
+    cs.hold(Owner(), until=s)
+    with pytest.warns(cs.HoldWarning, match="2 stream-ordered holds"):
+        cs.hold(Owner(), until=s)
+    monkeypatch.undo()
+    latch.release()
