@@ -7,9 +7,10 @@ looks at each stream's oldest hold and stops at the first one not done.
 
 Nothing here waits. Completed holds are let go by :func:`tick`, which the
 shared poller calls on every pass and the library calls on entry (bounded
-work: a few queries), and by :meth:`HoldTable.sweep` when a limit is passed or
-``cs.stats()`` asks. Queries run in the ``relaxed`` capture mode, so releasing
-never invalidates a graph capture in another thread. Owners are dropped
+work: a few queries), by :meth:`HoldTable.release_completed` when a limit is
+passed, and by :meth:`HoldTable.sweep` when ``cs.stats()`` asks. Queries run
+in the ``relaxed`` capture mode, so releasing never invalidates a graph capture
+in another thread. Owners are dropped
 outside the table's lock: their finalizers may call the library.
 
 Views whose release must record a hold (see ``_hold``) are queued here by a
@@ -115,7 +116,10 @@ class HoldTable:
             self.nbytes += hold.nbytes
             self.made += 1
         if self._over_limit():
-            self.sweep()
+            # Completed holds only: no settles and no finalizers' work here,
+            # where the caller may hold a lease's lock (a stream end that work
+            # runs would take its listeners' locks: a deadlock across threads).
+            self.release_completed(None)
             if self._over_limit():
                 self._warn(stacklevel + 1)
 
