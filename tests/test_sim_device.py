@@ -451,3 +451,30 @@ def test_a_capture_begun_during_a_record_comes_wholly_before_or_after_it(
             backend.query(event)  # (a lost record was never complete: False)
     finally:
         backend.destroy_event(event)
+
+
+def test_a_record_whose_capture_ends_as_it_is_made_lands_on_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The capture a record found ends before the record reaches it (another
+    thread's, relaxed): the simulator records on the stream, as the driver
+    would; it raised cudaErrorIllegalState ("stopped capturing meanwhile")."""
+    backend = cs.use_backend("sim")
+    s = cs.Stream()
+    event = backend.create_event()
+    backend.begin_capture(s.handle, "relaxed")
+    rules = backend._captures  # type: ignore[attr-defined]
+    real = rules.record_event
+
+    def ends_first(ev: Any, stream: Any) -> None:
+        monkeypatch.setattr(rules, "record_event", real)
+        backend.destroy_graph(backend.end_capture(s.handle))
+        real(ev, stream)
+
+    monkeypatch.setattr(rules, "record_event", ends_first)
+    try:
+        backend.record(event, s.handle)
+        s.synchronize()
+        assert backend.query(event)
+    finally:
+        backend.destroy_event(event)

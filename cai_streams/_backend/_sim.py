@@ -50,6 +50,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from .._errors import CudaError
 from . import CAPTURE_MODES, Backend, CaptureMode, CaptureStatus
 from ._sim_capture import CaptureRules
 from ._sim_memory import Memory, free_hooks
@@ -61,6 +62,11 @@ __all__ = ["DecoyBackend", "SimBackend", "free_hooks", "kernel_hooks"]
 DEFAULT_JITTER: Final = 0.0005
 
 _Op = tuple[Any, ...]
+
+
+#: cudaErrorIllegalState: here, a capture that ended between a check and the
+#: call that found it (another thread's), which the driver never reports
+_ILLEGAL_STATE: Final = 401
 
 
 class _ThreadState:
@@ -237,8 +243,12 @@ class SimBackend(Backend):
         device = stream.device
         device.check_usable()
         if stream.capture is not None:
-            self._captures.record_ops(stream, ops)
-            return False
+            try:
+                self._captures.record_ops(stream, ops)
+                return False
+            except CudaError as exc:  # (the capture ended meanwhile: not the driver's error)
+                if exc.code != _ILLEGAL_STATE or stream.capture is not None:
+                    raise
         legacy = device.legacy
         if stream is legacy:
             self._captures.check_legacy(device)
@@ -353,8 +363,13 @@ class SimBackend(Backend):
         device.check_usable()
         while True:
             if target.capture is not None:
-                self._captures.record_event(ev, target)
-                return
+                try:
+                    self._captures.record_event(ev, target)
+                    return
+                except CudaError as exc:  # the capture ended meanwhile: again
+                    if exc.code != _ILLEGAL_STATE or target.capture is not None:
+                        raise
+                    continue
             point = Point()
             if self._enqueue(target, ("mark", point)):
                 ev.captured, ev.point = None, point
