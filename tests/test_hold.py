@@ -971,15 +971,13 @@ async def test_a_consuming_exit_that_meets_a_capture_records_later(
     assert end["holds_made"] + end["holds_merged"] == begun + 1
 
 
-def test_a_capture_begun_between_the_check_and_the_record_keeps_the_owner(
+def _a_released_views_record_taken_by_a_capture(
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Another thread begins a capture of the consumer's stream after the
-    settle's capture check, before the hold's record: the record lands in the
-    capture. The hold waits, unqueried, for the capture to end (a query would
-    invalidate it), then records again: the owner lives until the stream
-    passes its work. It used to be queried at once (the capture invalidated),
-    taken for failed work, and let go under the held stream."""
+) -> tuple[cs.Backend, cs.Stream, Latch, weakref.ref[Box]]:
+    """A view of a box on a latched stream, released; its settle asks whether
+    the stream captures, and another thread begins a capture of it right
+    after: the hold's record lands in that capture. The capture is left
+    under way."""
     backend = cs.use_backend("sim")
     ops = SimOps()
     s = cs.Stream()
@@ -1000,6 +998,19 @@ def test_a_capture_begun_between_the_check_and_the_record_keeps_the_owner(
 
     monkeypatch.setattr(_hold, "_waits_for_capture", then_a_capture_begins)
     cs.stats()
+    return backend, s, latch, ref
+
+
+def test_a_capture_begun_between_the_check_and_the_record_keeps_the_owner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread begins a capture of the consumer's stream after the
+    settle's capture check, before the hold's record: the record lands in the
+    capture. The hold waits, unqueried, for the capture to end (a query would
+    invalidate it), then records again: the owner lives until the stream
+    passes its work. It used to be queried at once (the capture invalidated),
+    taken for failed work, and let go under the held stream."""
+    backend, s, latch, ref = _a_released_views_record_taken_by_a_capture(monkeypatch)
     cs.stats()
     gc.collect()
     assert ref() is not None, "let go while the latch holds the stream"
@@ -1054,26 +1065,7 @@ def test_a_hold_waiting_for_a_capture_records_before_its_stream_closes(
     the waiting hold is retried, and a new stream takes the handle: the hold
     recorded on the closing stream, not on the new one (which is idle, and
     would have let the owner go under the old stream's work)."""
-    backend = cs.use_backend("sim")
-    ops = SimOps()
-    s = cs.Stream()
-    latch = ops.latch(s)
-    box = Box(ops.array(np.zeros(64, np.float32)))
-    ref = weakref.ref(box)
-    view = cs.consume_blocking(box, stream=s)
-    del view, box
-    real = _hold._waits_for_capture
-
-    def then_a_capture_begins(on: Any) -> bool:
-        found = real(on)
-        monkeypatch.setattr(_hold, "_waits_for_capture", real)
-        other = threading.Thread(target=backend.begin_capture, args=(s.handle, "relaxed"))
-        other.start()
-        other.join(WAIT)
-        return found
-
-    monkeypatch.setattr(_hold, "_waits_for_capture", then_a_capture_begins)
-    cs.stats()
+    backend, s, latch, ref = _a_released_views_record_taken_by_a_capture(monkeypatch)
     cs.stats()  # asked again while the capture is under way: it waits
     backend.destroy_graph(backend.end_capture(s.handle))
     handle = s.handle
