@@ -255,7 +255,9 @@ class _CapturedRecord:
             self._give_up(exc)
             self._forget()
             return True
-        if mark.captured:  # a capture began again meanwhile
+        self.recorded = True
+        # a capture begun again meanwhile (asked once more, as _record_hold does)
+        if mark.captured or (on.handle != LEGACY_DEFAULT_STREAM and _waits_for_capture(on)):
             return False
         self.state = _Retry.DONE  # first: the add may settle the queue, this among it
         self._forget()
