@@ -384,6 +384,18 @@ def _record_in_collection(key: StreamId, owner: object, nbytes: int, ranges: Ran
     later(functools.partial(_join_table, key, event, owner, nbytes, ranges, captured))
 
 
+def _wait_again(hold: Hold) -> None:
+    """A hold in the table whose query says a capture took its record (one
+    begun and ended between the checks around the record): it waits again,
+    keeping its owner, and records again once no capture is under way."""
+    _CapturedRecord(
+        hold.pool, hold.event, hold.mark.key, hold.owner, hold.nbytes, hold.ranges, recorded=True
+    ).wait()
+
+
+table.taken_again = _wait_again
+
+
 def _join_table(
     key: StreamId, event: int, owner: object, nbytes: int, ranges: Ranges, captured: bool
 ) -> None:

@@ -28,19 +28,25 @@ import threading
 import time
 import warnings
 from collections import deque
-from typing import Protocol
+from collections.abc import Callable
+from typing import Final, Protocol
 
 from . import _observe
 from ._backend import Backend, CaptureMode
 from ._config import settings
-from ._deferred import in_collection, pending
+from ._deferred import in_collection, later, pending
 from ._deferred import run as run_deferred
-from ._errors import CudaError, HoldWarning
+from ._errors import CudaError, HoldWarning, KernelError
 from ._events import EventPool, Mark
 from ._identity import StreamId
 from ._poller import pass_hooks
 
 __all__ = ["Hold", "HoldTable", "Ranges", "Settles", "table", "tick"]
+
+#: what a query of an event says when a graph capture took its last record
+#: (cudaErrorInvalidValue on the simulator: "recorded in a capture that has
+#: ended"; the capture errors 900-908): not an answer about the stream
+_TAKEN_BY_A_CAPTURE: Final = frozenset({1, *range(900, 909)})
 
 #: queries that find a hold not done, per call of :func:`tick` (the per-call
 #: bound; the queries that find holds done release them, about log2 of their number)
@@ -57,7 +63,7 @@ class Hold:
     """One owner kept until ``event`` (recorded at ``mark``) completes;
     ``ranges``: the memory it keeps, when the sanitizer observes (else empty)."""
 
-    __slots__ = ("event", "failed", "mark", "nbytes", "owner", "pool", "ranges", "since")
+    __slots__ = ("event", "failed", "mark", "nbytes", "owner", "pool", "ranges", "since", "taken")
 
     def __init__(
         self, pool: EventPool, event: int, mark: Mark, owner: object, nbytes: int, ranges: Ranges
@@ -70,6 +76,9 @@ class Hold:
         self.ranges = ranges
         self.since = time.monotonic()
         self.failed = False  # its query raised: the event is never reused
+        #: its query says a capture took the record (begun and ended between the
+        #: checks around it): it says nothing of the stream, and is made again
+        self.taken = False
 
 
 class Settles(Protocol):
@@ -97,6 +106,8 @@ class HoldTable:
         self.merged = 0
         #: the limit setting last warned about: (count, bytes, settings.limits_set)
         self._warned_at: tuple[int, int, int] | None = None
+        #: what makes a hold whose record a capture took wait again (``_hold``)
+        self.taken_again: Callable[[Hold], None] | None = None
 
     @property
     def busy(self) -> bool:
@@ -118,8 +129,13 @@ class HoldTable:
         if self._over_limit():
             # Completed holds only: no settles and no finalizers' work here,
             # where the caller may hold a lease's lock (a stream end that work
-            # runs would take its listeners' locks: a deadlock across threads).
-            self.release_completed(None)
+            # runs would take its listeners' locks: a deadlock across threads);
+            # and their owners go at the next library call, not under that lock
+            # (an owner's finalizer may call in and run such work).
+            released: list[Hold] = []
+            self.release_completed(None, keep=released)
+            if released:
+                later(released.clear)
             if self._over_limit():
                 self._warn(stacklevel + 1)
 
@@ -155,12 +171,15 @@ class HoldTable:
             stacklevel=stacklevel,
         )
 
-    def release_completed(self, queries: int | None) -> int:
+    def release_completed(self, queries: int | None, *, keep: list[Hold] | None = None) -> int:
         """Let go of completed holds, visiting each stream at most once and
         stopping after ``queries`` queries found a hold not done (None: every
         stream). Returns how many were released. Never blocks; a failed event
-        does not raise (its work will never run: its owner is let go)."""
+        does not raise (its work will never run: its owner is let go). ``keep``:
+        the released holds go there, their owners with them, for the caller to
+        drop later. A hold whose record a capture took goes back to waiting."""
         done: list[Hold] = []
+        taken: list[Hold] = []
         modes: dict[Backend, CaptureMode] = {}
         try:
             with self._lock:
@@ -170,13 +189,13 @@ class HoldTable:
                     key = self._turn.popleft()
                     streams -= 1
                     queue = self._streams[key]
-                    budget = self._take_completed(queue, budget, modes, done)
+                    budget = self._take_completed(queue, budget, modes, done, taken)
                     if queue:
                         self._turn.append(key)
                     else:
                         del self._streams[key]
-                self.count -= len(done)
-                self.nbytes -= sum(h.nbytes for h in done)
+                self.count -= len(done) + len(taken)
+                self.nbytes -= sum(h.nbytes for h in done) + sum(h.nbytes for h in taken)
                 self.released += len(done)
             for hold in done:  # outside the lock; the pool queries too: still relaxed
                 if hold.ranges and _observe.active and not hold.failed:
@@ -189,12 +208,23 @@ class HoldTable:
         finally:
             for backend, mode in modes.items():
                 backend.exchange_capture_mode(mode)
+        for hold in taken:
+            wait_again = self.taken_again
+            assert wait_again is not None  # (set by _hold, which makes every hold)
+            wait_again(hold)
         released = len(done)
+        if keep is not None:
+            keep.extend(done)
         del done  # the owners go now, outside the lock: their finalizers may call us
         return released
 
     def _take_completed(
-        self, queue: deque[Hold], budget: int, modes: dict[Backend, CaptureMode], done: list[Hold]
+        self,
+        queue: deque[Hold],
+        budget: int,
+        modes: dict[Backend, CaptureMode],
+        done: list[Hold],
+        taken: list[Hold],
     ) -> int:
         """Move the completed holds at the front of one stream's ``queue`` to
         ``done``; returns the budget left, which only a query that finds a hold
@@ -205,6 +235,10 @@ class HoldTable:
         while queue:
             i = min(step, len(queue)) - 1
             if not self._complete(queue[i], modes):
+                return budget - 1
+            if queue[i].taken:  # it says nothing of the holds before it
+                taken.append(queue[i])
+                del queue[i]
                 return budget - 1
             for _ in range(i + 1):
                 done.append(queue.popleft())
@@ -222,8 +256,14 @@ class HoldTable:
             # let go now is freed after the work it saw complete, in whatever
             # thread its last reference goes (``_observe.hold_released``).
             return backend.query(hold.event)
-        except CudaError:  # the work before it failed and will never run
+        except KernelError:  # the work before it failed and will never run
             hold.failed = True
+            return True
+        except CudaError as exc:
+            if exc.code in _TAKEN_BY_A_CAPTURE:
+                hold.taken = True
+            else:  # the work before it failed and will never run
+                hold.failed = True
             return True
 
     def sweep(self) -> None:

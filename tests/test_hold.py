@@ -1193,3 +1193,86 @@ def test_passing_a_limit_releases_completed_holds_without_a_sweep(
         cs.hold(Owner(), until=s)
     monkeypatch.undo()
     latch.release()
+
+
+def test_a_hold_whose_record_a_brief_capture_took_is_recorded_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread's capture begins and ends around the hold's record: the
+    record went into that capture's graph, never onto the stream, and both asks
+    around it said "not capturing". The table's query says so; the hold waits
+    again and records again, instead of taking the answer for failed work and
+    letting the owner go under the held stream."""
+    backend = cs.use_backend("sim")
+    ops = SimOps()
+    s = cs.Stream()
+    latch = ops.latch(s)
+    freed = threading.Event()
+
+    class Dropped:
+        def __del__(self) -> None:
+            freed.set()
+
+    real = backend.record
+
+    def inside_a_brief_capture(event: int, stream: int) -> None:
+        monkeypatch.setattr(backend, "record", real)
+        for step in (
+            lambda: backend.begin_capture(s.handle, "relaxed"),
+            lambda: real(event, stream),
+            lambda: backend.destroy_graph(backend.end_capture(s.handle)),
+        ):
+            other = threading.Thread(target=step)
+            other.start()
+            other.join(WAIT)
+
+    monkeypatch.setattr(backend, "record", inside_a_brief_capture)
+    cs.hold(Dropped(), until=s)
+    for _ in range(5):
+        cs.stats()
+    assert not freed.is_set(), "let go while the latch holds the stream"
+    latch.release()
+    deadline = time.monotonic() + WAIT
+    while not freed.is_set() and time.monotonic() < deadline:
+        cs.stats()
+        time.sleep(0.01)
+    assert freed.is_set()
+
+
+def test_owners_released_past_a_limit_go_after_the_call_not_inside_it(
+    monkeypatch: pytest.MonkeyPatch, limits: None
+) -> None:
+    """A hold added past a limit releases the completed ones, but their owners
+    go at the next library call: inside add() the caller may hold a lease's
+    lock, and an owner's finalizer may call in (a review deadlocked two
+    threads so)."""
+    cs.use_backend("sim")
+    ops = SimOps()
+    idle, held = cs.Stream(), cs.Stream()
+    inside: list[bool] = [False]
+    seen: list[bool] = []
+
+    class Dropped:
+        def __del__(self) -> None:
+            seen.append(inside[0])
+
+    cs.hold(Dropped(), until=idle)
+    idle.synchronize()
+    cs.configure(hold_limit_count=1)
+    latch = ops.latch(held)
+    real = _hold_table.HoldTable.add
+
+    def marked(self: Any, hold: Any, *, stacklevel: int) -> None:
+        inside[0] = True
+        try:
+            real(self, hold, stacklevel=stacklevel + 1)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(_hold_table.HoldTable, "add", marked)
+    monkeypatch.setattr(_hold, "tick", lambda: None)  # (hold()'s own would release it first)
+    cs.hold(Owner(), until=held)  # past the limit: the idle stream's hold is released
+    monkeypatch.undo()
+    cs.stats()
+    assert seen == [False]
+    latch.release()
