@@ -242,12 +242,12 @@ class SimBackend(Backend):
         record into its capture; False for the latter."""
         device = stream.device
         device.check_usable()
-        if stream.capture is not None:
+        while stream.capture is not None:
             try:
                 self._captures.record_ops(stream, ops)
                 return False
-            except CudaError as exc:  # (the capture ended meanwhile: not the driver's error)
-                if exc.code != _ILLEGAL_STATE or stream.capture is not None:
+            except CudaError as exc:  # (the capture ended meanwhile: not the driver's error;
+                if exc.code != _ILLEGAL_STATE:  # another may have begun since: again)
                     raise
         legacy = device.legacy
         if stream is legacy:
@@ -367,7 +367,7 @@ class SimBackend(Backend):
                     self._captures.record_event(ev, target)
                     return
                 except CudaError as exc:  # the capture ended meanwhile: again
-                    if exc.code != _ILLEGAL_STATE or target.capture is not None:
+                    if exc.code != _ILLEGAL_STATE:
                         raise
                     continue
             point = Point()
