@@ -55,6 +55,16 @@ class Box:
         return cai
 
 
+def set_soon(flag: threading.Event) -> bool:
+    """Whether ``flag`` is set (an owner's finalizer ran) within WAIT, calling
+    ``cs.stats()`` meanwhile (it releases completed holds)."""
+    deadline = time.monotonic() + WAIT
+    while not flag.is_set() and time.monotonic() < deadline:
+        cs.stats()
+        time.sleep(0.01)
+    return flag.is_set()
+
+
 def released_soon(ref: weakref.ref[Any], step: Callable[[], object] = cs.stats) -> bool:
     """Whether ``ref`` dies within WAIT while ``step`` (a library call) runs."""
     deadline = time.monotonic() + WAIT
@@ -1164,11 +1174,7 @@ def test_a_finalizers_hold_whose_record_a_capture_took_waits_for_it(
     cs.stats()
     assert not freed.is_set()
     latch.release()
-    deadline = time.monotonic() + WAIT
-    while not freed.is_set() and time.monotonic() < deadline:
-        cs.stats()
-        time.sleep(0.01)
-    assert freed.is_set()
+    assert set_soon(freed)
 
 
 def test_passing_a_limit_releases_completed_holds_without_a_sweep(
@@ -1232,11 +1238,7 @@ def test_a_hold_whose_record_a_brief_capture_took_is_recorded_again(
         cs.stats()
     assert not freed.is_set(), "let go while the latch holds the stream"
     latch.release()
-    deadline = time.monotonic() + WAIT
-    while not freed.is_set() and time.monotonic() < deadline:
-        cs.stats()
-        time.sleep(0.01)
-    assert freed.is_set()
+    assert set_soon(freed)
 
 
 def test_owners_released_past_a_limit_go_after_the_call_not_inside_it(
