@@ -128,14 +128,18 @@ def _record_hold(
     except BaseException:
         pool.release(event)
         raise
-    # Another thread may have begun a capture of the stream after the caller's
-    # check: between record()'s own ask and the record, the capture has it and
-    # the mark cannot say so. Asked once more: either way, it waits. (A record
-    # on the legacy stream that succeeded is in no capture.)
-    if mark.captured or (key.handle != LEGACY_DEFAULT_STREAM and _waits_for_capture(key)):
+    if _taken_by_a_capture(mark, key):  # asked once more: either way, it waits
         _CapturedRecord(pool, event, key, owner, nbytes, ranges, recorded=True).wait()
         return
     table.add(Hold(pool, event, mark, owner, nbytes, ranges), stacklevel=stacklevel + 1)
+
+
+def _taken_by_a_capture(mark: Mark, on: StreamId) -> bool:
+    """Whether a capture may have the record just made at ``mark`` on ``on``:
+    its mark says so, or the stream captures now (one begun by another thread
+    between record()'s ask and the record). A record on the legacy stream that
+    succeeded is in no capture."""
+    return mark.captured or (on.handle != LEGACY_DEFAULT_STREAM and _waits_for_capture(on))
 
 
 class _Retry(enum.Enum):
@@ -256,8 +260,7 @@ class _CapturedRecord:
             self._forget()
             return True
         self.recorded = True
-        # a capture begun again meanwhile (asked once more, as _record_hold does)
-        if mark.captured or (on.handle != LEGACY_DEFAULT_STREAM and _waits_for_capture(on)):
+        if _taken_by_a_capture(mark, on):  # a capture begun again meanwhile
             return False
         self.state = _Retry.DONE  # first: the add may settle the queue, this among it
         self._forget()

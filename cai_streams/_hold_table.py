@@ -10,8 +10,8 @@ shared poller calls on every pass and the library calls on entry (bounded
 work: a few queries), by :meth:`HoldTable.release_completed` when a limit is
 passed, and by :meth:`HoldTable.sweep` when ``cs.stats()`` asks. Queries run
 in the ``relaxed`` capture mode, so releasing never invalidates a graph capture
-in another thread. Owners are dropped
-outside the table's lock: their finalizers may call the library.
+in another thread. Owners are dropped outside the table's lock: their
+finalizers may call the library.
 
 Views whose release must record a hold (see ``_hold``) are queued here by a
 weakref callback, which may run in any thread inside any lock, so it only
@@ -208,10 +208,11 @@ class HoldTable:
         finally:
             for backend, mode in modes.items():
                 backend.exchange_capture_mode(mode)
-        for hold in taken:
+        if taken:
             wait_again = self.taken_again
             assert wait_again is not None  # (set by _hold, which makes every hold)
-            wait_again(hold)
+            for hold in taken:
+                wait_again(hold)
         released = len(done)
         if keep is not None:
             keep.extend(done)
@@ -256,11 +257,8 @@ class HoldTable:
             # let go now is freed after the work it saw complete, in whatever
             # thread its last reference goes (``_observe.hold_released``).
             return backend.query(hold.event)
-        except KernelError:  # the work before it failed and will never run
-            hold.failed = True
-            return True
         except CudaError as exc:
-            if exc.code in _TAKEN_BY_A_CAPTURE:
+            if exc.code in _TAKEN_BY_A_CAPTURE and not isinstance(exc, KernelError):
                 hold.taken = True
             else:  # the work before it failed and will never run
                 hold.failed = True
