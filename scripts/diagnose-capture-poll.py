@@ -8,6 +8,11 @@ the poller's counters and, at 3, 6 and 12 s, the Python stack of every thread
 then an all-thread dump at 25 s. The kernels are compiled and loaded first, so
 nothing of that shows up.
 
+Found on an H100 (2026-11-23, second session): the capture thread was in
+``CupyOps.array``'s ``cudaStreamSynchronize(0)`` at 3, 6 and 12 s, its legacy-stream
+copy waiting behind the eight held non-blocking streams until their latches gave
+up; the test now makes that array before it latches (scripts/probe-legacy-copy.py).
+
     PYTHONPATH=.:SITE python3 scripts/diagnose-capture-poll.py [WAITERS] [WAKE] [--no-sanitizer]
 
 WAKE is a PollPolicy wake mode ("auto", "doorbell", "poll"); the failing runs rang

@@ -161,8 +161,9 @@ class CupyOps:  # pragma: no cover - runs in the GPU tier only
     held (latched) stream cannot deadlock the test's own thread:
 
     * ``array`` and ``to_host`` copy on the legacy stream and synchronize only
-      it (like ``cudaMemcpy``), which never waits for the non-blocking streams
-      the tests make;
+      it (like ``cudaMemcpy``), which by the CUDA documentation never waits for
+      the non-blocking streams the tests make; on an H100 it did wait for eight
+      held ones (docs/gpu.md), so a test makes its arrays before it latches;
     * every kernel argument reaches CuPy without a CAI ``stream``: the ordering
       is what the test enqueued, and CuPy would otherwise block the host in
       ``cudaStreamSynchronize`` on the view's stream;

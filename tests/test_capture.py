@@ -432,6 +432,11 @@ def _poll_during_a_capture(ops: DeviceOps) -> tuple[str, int, int]:
     waiters saw, and the poll passes made while it was under way."""
     streams = [cs.Stream() for _ in range(STREAMS)]
     arrays = [ops.array(np.zeros(8, np.int64)) for _ in streams]
+    # The capture's own stream and array are made before any stream is held: on
+    # an H100 the legacy stream's copy in ops.array waited behind the held
+    # (non-blocking) streams until their latches gave up (docs/gpu.md).
+    captured_on = cs.Stream()
+    x = ops.array(np.zeros(8, np.float32))
     latches = [ops.latch(s) for s in streams]
     for i, (s, arr) in enumerate(zip(streams, arrays, strict=True)):
         ops.fill(s, arr, float(i + 1))
@@ -442,15 +447,13 @@ def _poll_during_a_capture(ops: DeviceOps) -> tuple[str, int, int]:
     outcome: list[str] = []
 
     def capture() -> None:  # this thread's mode stays "global"
-        s = cs.Stream()
-        x = ops.array(np.zeros(8, np.float32))
         begin.wait(30)
-        s.begin_capture("global")
-        ops.add(s, x, 1.0)
+        captured_on.begin_capture("global")
+        ops.add(captured_on, x, 1.0)
         began.set()
         end.wait(30)
         try:
-            s.end_capture().close()
+            captured_on.end_capture().close()
             outcome.append("valid")
         except cs.CudaError as exc:
             outcome.append(exc.name)
