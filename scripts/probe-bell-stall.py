@@ -11,7 +11,7 @@ nothing they depend on is held. The poll row is the control: a fresh stream can
 share a queue with a held producer either way; what the doorbell row adds is
 the notifier streams' waits. Blocks for at most about 10 s.
 
-    PYTHONPATH=.:SITE python3 scripts/probe-bell-stall.py [--sim]
+    PYTHONPATH=.:SITE python3 scripts/probe-bell-stall.py [--held N] [--sim]
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import cai_streams as cs  # noqa: E402
 from cai_streams import _doorbell  # noqa: E402
 from tests import device_ops  # noqa: E402
 
-HELD = 16
+#: producer streams held (``--held N``): fewer than the hardware queues, so that
+#: the polling control leaves some queues free for the bells' notifier streams
+HELD = int(sys.argv[sys.argv.index("--held") + 1]) if "--held" in sys.argv else 16
 FREE = 32
 
 
