@@ -8,7 +8,12 @@ its bell was armed and when it rang (the loop saw the pipe's end-of-file), besid
 when its kernel ended and its waiters resumed. For each wake later than 2 ms it
 says which of these came late. Blocks for at most about a minute.
 
-    PYTHONPATH=.:SITE python3 scripts/diagnose-bell-latency.py [WAITERS ...]
+    PYTHONPATH=.:SITE python3 scripts/diagnose-bell-latency.py [--variant V] [WAITERS ...]
+
+``--variant``: ``lane`` (the library's way: a notifier stream waits on the
+event, then runs the host function) or ``flush`` (the same, then a
+``cudaStreamQuery`` of the notifier stream, in case the driver submits the
+work late).
 """
 
 from __future__ import annotations
@@ -31,6 +36,22 @@ armed: dict[int, tuple[int, bool]] = {}  # event -> (ns, whether a bell was arme
 rang: dict[int, int] = {}  # event -> ns the loop saw its bell
 order: list[int] = []  # kernel k -> its event
 resumed: dict[int, int] = {}  # event -> first waiter's resume ns
+
+
+_variant = "lane"
+
+
+def _redirect(backend: Any) -> None:
+    """``--variant flush``: query the notifier stream after each bell's host
+    function (the cuda backend's own method, patched on this instance)."""
+    real_launch = backend.launch_host_func
+
+    def launch_host_func(stream: int, fn: int, user_data: int) -> None:
+        real_launch(stream, fn, user_data)
+        if _variant == "flush":
+            backend.query_stream(stream)
+
+    backend.launch_host_func = launch_host_func
 
 
 def _trace() -> None:
@@ -118,8 +139,16 @@ def one(device: Any, n: int, seed: int) -> None:
 def main() -> None:
     from benchmarks.cuda_device import CudaDevice
 
-    sizes = [int(a) for a in sys.argv[1:]] or [100, 1000]
+    global _variant
+    args = sys.argv[1:]
+    if "--variant" in args:
+        i = args.index("--variant")
+        _variant = args[i + 1]
+        del args[i : i + 2]
+    sizes = [int(a) for a in args] or [100, 1000]
+    print("variant", _variant, flush=True)
     cs.use_backend("cuda")
+    _redirect(cs.current_backend())
     device = CudaDevice()
     cw.set_events_per_stream(cw.usable_events_per_stream(device.pending_record_cap()))
     _trace()
