@@ -21,6 +21,13 @@ are waiting, then released at once. Methods, all in one process, asyncio:
 - ``poll 1 ms``: per waiter, ``while not event.is_done: await anyio.sleep(0.001)``;
 - ``blocking``: ``stream.synchronize()`` in the coroutine, what a CuPy or Numba
   consumer does; it stalls the loop;
+- ``close() host function on the waiter's stream``: by hand, per event, a pipe
+  whose write end a ``close`` host function on the producer's own stream ends,
+  enqueued right after the kernel (no notifier stream, no cross-stream wait, no
+  Python on the driver thread); the loop watches the read end. What a doorbell on
+  the producer's stream would do, against the library's notifier streams, whose
+  host functions ran late on an H100 (docs/gpu.md). Two descriptors per event:
+  at 10,000 waiters it may fail for want of them;
 - ``numba async_done``: ``await stream.async_done()`` of numba-cuda on
   numba-owned streams (a driver host callback per waiter, enqueued in place of
   the event; asyncio only);
@@ -62,8 +69,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import json
 import math
+import os
 import random
 import signal
 import subprocess
@@ -88,6 +97,7 @@ from benchmarks.bench_consume import _CountingQuery  # noqa: E402
 from benchmarks.cuda_device import Device, drain  # noqa: E402
 from benchmarks.report import describe
 
+PIPE_METHOD = "close() host function on the waiter's stream (by hand, no Python)"
 STREAMS = 16
 MAX_KERNELS = 3000
 GATE_TIMEOUT = 10.0  # seconds a gate holds its streams at most (setup of 10,000 waiters: <1 s)
@@ -149,6 +159,49 @@ async def _poll_1ms(event: cs.Event, stream: cs.Stream) -> None:
         await anyio.sleep(0.001)
 
 
+class _Pipe:
+    """One event's pipe: the driver's host function closes the write end."""
+
+    def __init__(self, rfd: int) -> None:
+        self.rfd = rfd
+        self.ended: asyncio.Future[None] | None = None  # shared by the event's waiters
+
+
+def _close_address() -> int:
+    address = ctypes.cast(ctypes.CDLL(None).close, ctypes.c_void_p).value
+    assert address, "no close() in this process"
+    return address
+
+
+def _pipe_after(stream: cs.Stream) -> _Pipe:
+    rfd, wfd = os.pipe()
+    try:
+        cs.current_backend().launch_host_func(stream.handle, _close_address(), wfd)
+    except BaseException:
+        os.close(rfd)
+        os.close(wfd)
+        raise
+    return _Pipe(rfd)  # the write end is the driver's to close now
+
+
+async def _pipe_ended(pipe: _Pipe, stream: cs.Stream) -> None:
+    loop = asyncio.get_running_loop()
+    if pipe.ended is None:
+        ended = pipe.ended = loop.create_future()
+
+        def readable() -> None:  # end-of-file: the host function ran
+            loop.remove_reader(pipe.rfd)
+            if not ended.done():
+                ended.set_result(None)
+
+        loop.add_reader(pipe.rfd, readable)
+    await asyncio.wait_for(asyncio.shield(pipe.ended), RUN_TIMEOUT)
+
+
+def _close_pipe(pipe: _Pipe) -> None:
+    os.close(pipe.rfd)  # after the run: its loop, and any reader left on it, are gone
+
+
 async def _blocking(event: cs.Event, stream: cs.Stream) -> None:
     stream.synchronize()
 
@@ -175,6 +228,7 @@ def methods() -> dict[str, Method[Any]]:
         ),
         f"to_thread ({thread_limiter_size()} threads)": Method(_record, _to_thread, close=_close),
         "poll 1 ms": Method(_record, _poll_1ms, close=_close),
+        PIPE_METHOD: Method(_pipe_after, _pipe_ended, close=_close_pipe),
         "blocking": Method(_record, _blocking, blocking=True, close=_close),
     }
 

@@ -87,6 +87,7 @@ CUDA_PEERS = {
         "cai_streams low-latency",
         "poll 1 ms",
         "blocking",
+        cuda_waiting.PIPE_METHOD,
         *cuda_waiting.CHILD_METHODS,
     },
     "pipeline": {*cuda_pipeline.CONSUMERS, "ideal bound (slowest stage × batches)"},
