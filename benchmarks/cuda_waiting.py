@@ -26,8 +26,8 @@ are waiting, then released at once. Methods, all in one process, asyncio:
   enqueued right after the kernel (no notifier stream, no cross-stream wait, no
   Python on the driver thread); the loop watches the read end. What a doorbell on
   the producer's stream would do, against the library's notifier streams, whose
-  host functions ran late on an H100 (docs/gpu.md). Two descriptors per event:
-  at 10,000 waiters it may fail for want of them;
+  host functions ran late on an H100 (docs/gpu.md). Run up to 100 waiters only:
+  a gated stream blocks the host after a few dozen pending host functions;
 - ``numba async_done``: ``await stream.async_done()`` of numba-cuda on
   numba-owned streams (a driver host callback per waiter, enqueued in place of
   the event; asyncio only);
@@ -136,6 +136,8 @@ class Method(Generic[T]):
     close: Callable[[T], None] | None = None
     make_stream: Callable[[], cs.Stream] = cs.Stream
     keep: object = None  # what must outlive the method's uses (a C callback)
+    #: the most waiters it is run with, and why not more (None: every size)
+    max_waiters: tuple[int, str] | None = None
 
 
 def _record(stream: cs.Stream) -> cs.Event:
@@ -228,7 +230,16 @@ def methods() -> dict[str, Method[Any]]:
         ),
         f"to_thread ({thread_limiter_size()} threads)": Method(_record, _to_thread, close=_close),
         "poll 1 ms": Method(_record, _poll_1ms, close=_close),
-        PIPE_METHOD: Method(_pipe_after, _pipe_ended, close=_close_pipe),
+        PIPE_METHOD: Method(
+            _pipe_after,
+            _pipe_ended,
+            close=_close_pipe,
+            max_waiters=(
+                100,
+                "held streams block the host after a few dozen pending host functions "
+                "(on an H100, a launch blocked with 63 pending on each of 16 held streams)",
+            ),
+        ),
         "blocking": Method(_record, _blocking, blocking=True, close=_close),
     }
 
@@ -657,6 +668,10 @@ def run(
     for n in sizes:
         per: dict[str, list[Row]] = {m: [] for m in table}
         failed: dict[str, str] = {}
+        for m, method in table.items():
+            if method.max_waiters is not None and n > method.max_waiters[0]:
+                most, why = method.max_waiters
+                failed[m] = f"not measured above {most} waiters: {why}"
         for rep in range(repeats):
             for m in table:
                 if m in failed:

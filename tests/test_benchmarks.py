@@ -231,6 +231,32 @@ def test_waiting_layout_stays_inside_what_a_held_stream_holds() -> None:
         cuda_waiting.set_events_per_stream(default)
 
 
+def test_a_method_is_not_run_above_its_most_waiters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A method with ``max_waiters`` runs up to that size and is a note above it
+    (the pipe peer: held streams block the host beyond a few dozen host functions)."""
+    ran: list[tuple[str, int]] = []
+
+    async def one_run(device: object, name: str, method: object, n: int, seed: int,
+                      work: float) -> cuda_waiting.Row:  # fmt: skip
+        ran.append((name, n))
+        return cuda_waiting.Row(name, n, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+    async def wait(token: object, stream: object) -> None:
+        pass
+
+    capped = cuda_waiting.Method(lambda s: None, wait, max_waiters=(10, "why not"))
+    free = cuda_waiting.Method(lambda s: None, wait)
+    monkeypatch.setattr(cuda_waiting, "methods", lambda: {"capped": capped, "free": free})
+    monkeypatch.setattr(cuda_waiting, "one_run", one_run)
+    rows: list[tuple[str, int]] = []
+    notes: list[tuple[str, int, str]] = []
+    cuda_waiting.run(object(), [1, 10, 100], 1, 0.0,  # type: ignore[arg-type]
+                     on_row=lambda row, _: rows.append((row.method, row.waiters)),
+                     on_note=lambda m, n, note: notes.append((m, n, note)))  # fmt: skip
+    assert ran == rows == [("capped", 1), ("free", 1), ("capped", 10), ("free", 10), ("free", 100)]
+    assert notes == [("capped", 100, "not measured above 10 waiters: why not")]
+
+
 def test_cuda_modules_import_without_a_gpu() -> None:
     """Every benchmark module imports with no cupy, torch or numba (they are
     imported inside the cuda code paths only)."""
