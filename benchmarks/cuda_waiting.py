@@ -237,7 +237,7 @@ def methods() -> dict[str, Method[Any]]:
             max_waiters=(
                 100,
                 "held streams block the host after a few dozen pending host functions "
-                "(on an H100, a launch blocked with 63 pending on each of 16 held streams)",
+                "(on an H100, a launch blocked with about 62 pending on each of 16 held streams)",
             ),
         ),
         "blocking": Method(_record, _blocking, blocking=True, close=_close),
