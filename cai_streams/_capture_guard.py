@@ -15,8 +15,10 @@ that thread's mode, #148594). So, here:
   the host: while its capture is under way that is cudaErrorCapturedEvent and
   invalidates the capture, and after it ended the event is unusable until
   recorded again. The :class:`~cai_streams._events.Mark` of such a record says
-  ``captured``; the pool takes the event back once its stream has stopped
-  capturing, without a query;
+  ``captured``. The mark is decided by asking the stream before the record, so
+  a capture that another thread ends in between leaves an ordinary record
+  marked captured: once the capture has ended, such a record is asked of the
+  driver (:func:`taken_or_complete`), never taken for done;
 * a join that cannot be made raises :class:`~cai_streams.CaptureError` before
   anything is enqueued, saying what to do instead; a join among streams of one
   capture is made, and becomes a graph edge.
@@ -29,10 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, CaptureMode
-from ._errors import CaptureError, CudaError
+from ._errors import CaptureError, CudaError, KernelError
 from ._identity import StreamId, is_open, thread_serial
 
 if TYPE_CHECKING:
@@ -52,12 +54,18 @@ __all__ = [
     "query_event",
     "relaxed",
     "stream_idle",
+    "taken_or_complete",
+    "TAKEN_BY_A_CAPTURE",
 ]
 
 #: cudaErrorStreamCaptureImplicit: the legacy stream used while a blocking stream captures
 _IMPLICIT = 906
 #: cudaErrorInvalidResourceHandle: the stream is gone
 _INVALID_HANDLE = 400
+#: what a query of an event says when a graph capture took its last record
+#: (cudaErrorInvalidValue, "recorded in a capture that has ended", on the driver
+#: and the simulator; the capture errors 900-908): not an answer about its stream
+TAKEN_BY_A_CAPTURE: Final = frozenset({1, *range(900, 909)})
 
 _AFTER_LAUNCH = "consume after end_capture() and Graph.launch, or pass a stream in the same capture"
 _BEFORE_BEGIN = "wait for the producer before begin_capture: await cs.consume(arr) first"
@@ -147,10 +155,26 @@ def event_complete(backend: Backend, event: int, mark: Mark | None) -> bool:
     """Whether the work before a recorded event is done, never invalidating a
     capture. A record made in a capture stands for work that runs only when a
     graph is launched: not done while the capture is under way, and nothing
-    pending on any stream once it ended. Never blocks; a failure raises."""
+    pending on any stream once it ended (which the driver is asked: see
+    :func:`taken_or_complete`). Never blocks; a failure raises."""
     if mark is not None and mark.captured:
-        return not in_capture(backend, mark)
+        return not in_capture(backend, mark) and taken_or_complete(backend, event)
     return query_event(backend, event)
+
+
+def taken_or_complete(backend: Backend, event: int) -> bool:
+    """For a record whose mark says captured, once that capture has ended:
+    whether nothing before it is pending. A capture took the record (the query
+    answers one of :data:`TAKEN_BY_A_CAPTURE`: its work runs only when a graph
+    is launched), or the capture ended between the mark's ask and the record,
+    which then is an ordinary one, complete or not like any other. Never
+    blocks; a failure of the work before it raises."""
+    try:
+        return query_event(backend, event)
+    except CudaError as exc:
+        if exc.code in TAKEN_BY_A_CAPTURE and not isinstance(exc, KernelError):
+            return True
+        raise
 
 
 def stream_idle(backend: Backend, key: StreamId) -> bool:
@@ -214,6 +238,8 @@ class PendingAccess(Protocol):
     key: StreamId
     #: None until recorded (a consumer's read whose end is not known yet)
     mark: Mark | None
+    #: the event recorded at ``mark`` (0 until recorded)
+    event: int
 
     def is_complete(self) -> bool: ...
 
@@ -272,7 +298,8 @@ def _host_wait_refused(producer: StreamId, what: str) -> CaptureError:
 def host_skips(backend: Backend, access: PendingAccess, what: str) -> bool:
     """Whether the host need not wait for a recorded ``access``: True when it
     was recorded in a capture that has ended (that work runs only when a graph
-    is launched); :class:`CaptureError` when its capture is still under way."""
+    is launched; :func:`taken_or_complete`); :class:`CaptureError` when its
+    capture is still under way."""
     mark = access.mark
     check_host_wait(backend, access.key, mark, what)
-    return mark is not None and mark.captured
+    return mark is not None and mark.captured and taken_or_complete(backend, access.event)

@@ -88,8 +88,9 @@ class EventPool:
     keeps alive) and reclaimed later. Growth is bounded by the work in flight.
     An event a waiter still reads is never released here: its access holds it
     (see ``_pending.Access``). An event recorded in a graph capture is never
-    queried: it is held until its stream stops capturing, then reused (a
-    record makes it valid again).
+    queried: it is held until its stream stops capturing, then asked like any
+    other (the capture may have ended before the record; a record the capture
+    took answers as such, and a record makes the event valid again).
     """
 
     def __init__(self, backend: Backend, device: int = 0) -> None:
@@ -161,8 +162,15 @@ class EventPool:
                 self._captured.rotate(-1)  # its capture is under way: never query it
                 continue
             self._captured.popleft()
+            try:  # the capture may have ended before the record: asked, not assumed
+                taken: bool | None = _capture_guard.taken_or_complete(self._backend, event)
+            except CudaError:
+                taken = None  # its work failed: never reuse it
+            if taken is False:  # an ordinary record, behind pending work
+                self._draining.append((event, keepalive))
+                continue
             gone.append(keepalive)
-            self._keep(event, True)
+            self._keep(event, taken is True)
         if not self._draining:
             return
         with _capture_guard.relaxed(self._backend):

@@ -215,7 +215,7 @@ class _CapturedRecord:
 
     def _release_event(self) -> None:
         """Back to the pool: one the capture may hold is taken back once the
-        stream stops capturing, without a query (that would invalidate it)."""
+        stream stops capturing (never queried before: that would invalidate it)."""
         if self.recorded:
             self.pool.release(self.event, None, Mark(self.key, 0, captured=True))
         else:

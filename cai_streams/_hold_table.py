@@ -29,10 +29,11 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable
-from typing import Final, Protocol
+from typing import Protocol
 
 from . import _observe
 from ._backend import Backend, CaptureMode
+from ._capture_guard import TAKEN_BY_A_CAPTURE
 from ._config import settings
 from ._deferred import in_collection, later, pending
 from ._deferred import run as run_deferred
@@ -42,11 +43,6 @@ from ._identity import StreamId
 from ._poller import pass_hooks
 
 __all__ = ["Hold", "HoldTable", "Ranges", "Settles", "table", "tick"]
-
-#: what a query of an event says when a graph capture took its last record
-#: (cudaErrorInvalidValue on the simulator: "recorded in a capture that has
-#: ended"; the capture errors 900-908): not an answer about the stream
-_TAKEN_BY_A_CAPTURE: Final = frozenset({1, *range(900, 909)})
 
 #: queries that find a hold not done, per call of :func:`tick` (the per-call
 #: bound; the queries that find holds done release them, about log2 of their number)
@@ -258,7 +254,7 @@ class HoldTable:
             # thread its last reference goes (``_observe.hold_released``).
             return backend.query(hold.event)
         except CudaError as exc:
-            if exc.code in _TAKEN_BY_A_CAPTURE and not isinstance(exc, KernelError):
+            if exc.code in TAKEN_BY_A_CAPTURE and not isinstance(exc, KernelError):
                 hold.taken = True
             else:  # the work before it failed and will never run
                 hold.failed = True

@@ -337,9 +337,12 @@ async def test_a_consumer_in_the_same_capture_gets_a_graph_edge(ops: DeviceOps) 
 # -- the event pool -----------------------------------------------------------------
 
 
-def test_events_recorded_in_a_capture_are_taken_back_without_a_query_and_reused(
+def test_events_recorded_in_a_capture_are_not_queried_during_it_and_reused_after(
     ops: DeviceOps, backend: cs.Backend
 ) -> None:
+    """Never queried while the capture is under way; once it has ended, asked
+    (a capture may end between a record's ask and the record:
+    test_capture_ended_before_record.py), answered as taken, and reused."""
     s = cs.Stream()
     pool = scheduler_for(backend).pool
     pool.reclaim()
@@ -367,10 +370,7 @@ def test_events_recorded_in_a_capture_are_taken_back_without_a_query_and_reused(
         assert not held & set(pool._free)
         graph = s.end_capture()  # the capture survived
     graph.close()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(backend, "query", query)
-        pool.reclaim()
-    assert not held & set(queried)  # taken back without a query
+    pool.reclaim()
     assert held <= set(pool._free)
     created = pool.created
     for _ in range(3):  # reused: recorded again, they work
