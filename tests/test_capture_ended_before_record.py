@@ -126,6 +126,8 @@ def test_an_enqueued_consume_joins_work_before_a_record_the_capture_missed(
             _as_before(mp)
         cs.consume_blocking(t, stream=consumer)
         ops.copy(consumer, out, arr)  # ordered after the fill only by the join
+    if control:  # no join: the copy runs (and reads) while the fill still waits
+        consumer.synchronize()
     latch.release()
     consumer.synchronize()
     producer.synchronize()
