@@ -207,6 +207,17 @@ def _begins_in_the_record_window(
     assert asks[:1] == [False], "the record never asked: the window was not hit"
 
 
+def _settle(backend: cs.Backend, producer: cs.Stream, latch: Any, *others: cs.Stream) -> None:
+    """Whatever the test did: the producer captures no more (its graph, if
+    any, destroyed), its latch is released and every stream has drained."""
+    if backend.capture_status(producer.handle) != "none":
+        with contextlib.suppress(cs.CudaError):
+            backend.destroy_graph(backend.end_capture(producer.handle))
+    latch.release()
+    for s in (producer, *others):
+        s.synchronize()
+
+
 @pytest.mark.parametrize("control", [False, True], ids=["asked", "control"])
 def test_a_record_a_capture_begun_meanwhile_took_is_never_queried_during_it(
     ops: DeviceOps, backend: cs.Backend, control: bool
@@ -232,11 +243,7 @@ def test_a_record_a_capture_begun_meanwhile_took_is_never_queried_during_it(
             assert backend.capture_status(producer.handle) == "active"
             backend.destroy_graph(backend.end_capture(producer.handle))  # it survived
     finally:
-        if backend.capture_status(producer.handle) != "none":
-            with contextlib.suppress(cs.CudaError):
-                backend.destroy_graph(backend.end_capture(producer.handle))
-        latch.release()
-        producer.synchronize()
+        _settle(backend, producer, latch)
 
 
 @pytest.mark.parametrize("control", [False, True], ids=["asked", "control"])
@@ -266,9 +273,4 @@ def test_a_join_never_pulls_its_stream_into_a_capture_begun_meanwhile(
         if not control:
             backend.destroy_graph(backend.end_capture(producer.handle))  # it ends as begun
     finally:
-        if backend.capture_status(producer.handle) != "none":
-            with contextlib.suppress(cs.CudaError):
-                backend.destroy_graph(backend.end_capture(producer.handle))
-        latch.release()
-        producer.synchronize()
-        consumer.synchronize()
+        _settle(backend, producer, latch, consumer)
