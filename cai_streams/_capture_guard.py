@@ -15,10 +15,11 @@ that thread's mode, #148594). So, here:
   the host: while its capture is under way that is cudaErrorCapturedEvent and
   invalidates the capture, and after it ended the event is unusable until
   recorded again. The :class:`~cai_streams._events.Mark` of such a record says
-  ``captured``. The mark is decided by asking the stream before the record, so
-  a capture that another thread ends in between leaves an ordinary record
-  marked captured: once the capture has ended, such a record is asked of the
-  driver (:func:`taken_or_complete`), never taken for done;
+  ``captured`` when the stream captured before or after the record (another
+  thread may begin or end a capture in between). So a capture that ended in
+  between leaves an ordinary record marked captured: once the capture has
+  ended, such a record is asked of the driver (:func:`taken_or_complete`),
+  never taken for done;
 * a join that cannot be made raises :class:`~cai_streams.CaptureError` before
   anything is enqueued, saying what to do instead; a join among streams of one
   capture is made, and becomes a graph edge.
