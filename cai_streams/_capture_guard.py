@@ -15,11 +15,12 @@ that thread's mode, #148594). So, here:
   the host: while its capture is under way that is cudaErrorCapturedEvent and
   invalidates the capture, and after it ended the event is unusable until
   recorded again. The :class:`~cai_streams._events.Mark` of such a record says
-  ``captured`` when the stream captured before or after the record (another
-  thread may begin or end a capture in between). So a capture that ended in
-  between leaves an ordinary record marked captured: once the capture has
-  ended, such a record is asked of the driver (:func:`taken_or_complete`),
-  never taken for done;
+  ``captured``. The mark is decided by asking the stream before the record, so
+  a capture that another thread ends in between leaves an ordinary record
+  marked captured: once the capture has ended, such a record is asked of the
+  driver (:func:`taken_or_complete`), never taken for done. (A capture another
+  thread begins in between takes a record marked otherwise: not closed yet,
+  see docs/capture.md);
 * a join that cannot be made raises :class:`~cai_streams.CaptureError` before
   anything is enqueued, saying what to do instead; a join among streams of one
   capture is made, and becomes a graph edge.

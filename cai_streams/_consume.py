@@ -282,11 +282,6 @@ class _UntrackedHost(_Handoff):
         except BaseException:
             pool.release(event)
             raise
-        try:  # a capture begun meanwhile (another thread's) took the record
-            _capture_guard.check_host_wait(backend, key, mark, "consume()")
-        except BaseException:
-            pool.release(event, None, mark)  # never queried while that capture runs
-            raise
         self.events = [(event, mark)]
         return None
 

@@ -51,20 +51,12 @@ class Mark(NamedTuple):
 def record(backend: Backend, event: int, key: StreamId) -> Mark:
     """Record ``event`` on the stream ``key`` names and return its :class:`Mark`.
 
-    Only enqueues. For handle 2 the caller must be ``key``'s thread. The mark
-    says ``captured`` when the stream captured before or after the record (a
-    capture may begin or end in between, in another thread).
+    Only enqueues. For handle 2 the caller must be ``key``'s thread.
     """
     captured = _capture_guard.capturing(backend, key) is True
     with _record_lock:
         backend.record(event, key.handle)
         seq = next(_order)
-    if not captured:
-        # Asked again: a capture another thread began in between may have
-        # taken the record, which must then never be queried while it runs. A
-        # capture that ended in between leaves a record marked captured, asked
-        # of the driver once it is over (``_capture_guard.taken_or_complete``).
-        captured = _capture_guard.capturing(backend, key) is True
     return Mark(key, seq, captured)
 
 

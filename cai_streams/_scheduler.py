@@ -79,13 +79,6 @@ class Scheduler:
         mark = None
         try:
             mark = record(self.backend, event, producer)
-            # A capture begun on the producer meanwhile (another thread's) may
-            # have taken the record: the waiter may wait on it only from inside
-            # that capture (a graph edge), never be pulled into it.
-            if mark.captured and not _capture_guard.check_join(
-                self.backend, waiter_id, producer, what
-            ):
-                return
             self.backend.stream_wait_event(waiter, event)  # legal across devices
         finally:
             pool.release(event, keepalive, mark)
