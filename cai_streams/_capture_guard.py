@@ -31,6 +31,7 @@ keep the user's mode: they are the user's to make or not.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Final, Protocol
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RelaxedScope",
+    "StreamPhase",
     "capturing",
     "check_host_wait",
     "host_wait_idle",
@@ -56,6 +58,7 @@ __all__ = [
     "query_event",
     "relaxed",
     "stream_idle",
+    "stream_phase",
     "taken_or_complete",
     "TAKEN_BY_A_CAPTURE",
 ]
@@ -121,19 +124,38 @@ def query_event(backend: Backend, event: int) -> bool:
         return backend.query(event)
 
 
+class StreamPhase(enum.Enum):
+    """What one ask of a stream's capture state found."""
+
+    CAPTURING = "capturing"
+    NOT_CAPTURING = "not capturing"
+    #: closed by this library, or destroyed: a capture it was forked into may
+    #: still be under way in the stream it was forked from, which nothing names
+    GONE = "gone"
+    #: another thread's per-thread default stream: this thread cannot name it
+    UNNAMED = "unnamed"
+
+
 def capturing(backend: Backend, key: StreamId) -> bool | None:
     """Whether the stream ``key`` names is capturing now (valid or invalidated);
     None when this thread cannot name it (another thread's per-thread default
-    stream); False for a stream this library made and closed since. Asking
-    invalidates nothing. The legacy stream while a blocking
+    stream); False for a stream this library made and closed since, or one
+    destroyed. Asking invalidates nothing. The legacy stream while a blocking
     stream of its device captures: :class:`CaptureError`, since any use of it
     would invalidate that capture."""
+    phase = stream_phase(backend, key)
+    return None if phase is StreamPhase.UNNAMED else phase is StreamPhase.CAPTURING
+
+
+def stream_phase(backend: Backend, key: StreamId) -> StreamPhase:
+    """:func:`capturing`, telling a stream that is gone from one that does not
+    capture (one ask of the driver at most)."""
     if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
-        return None
+        return StreamPhase.UNNAMED
     if key.generation and not is_open(key):  # a stream this library made, closed since
-        return False  # (never ask the driver about a destroyed handle)
+        return StreamPhase.GONE  # (never ask the driver about a destroyed handle)
     try:
-        return backend.capture_status(key.handle) != "none"
+        status = backend.capture_status(key.handle)
     except CudaError as exc:
         if exc.code == _IMPLICIT and key.handle == LEGACY_DEFAULT_STREAM:
             raise CaptureError(
@@ -143,8 +165,9 @@ def capturing(backend: Backend, key: StreamId) -> bool | None:
                 "end_capture()"
             ) from exc
         if exc.code == _INVALID_HANDLE:
-            return False  # destroyed: whatever it captured has ended
+            return StreamPhase.GONE
         raise
+    return StreamPhase.NOT_CAPTURING if status == "none" else StreamPhase.CAPTURING
 
 
 def in_capture(backend: Backend, mark: Mark | None) -> bool:

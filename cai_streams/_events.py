@@ -11,6 +11,7 @@ from typing import Final, NamedTuple, TypeVar
 
 from . import _capture_guard
 from ._backend import Backend
+from ._capture_guard import StreamPhase
 from ._errors import CudaError, CudaWarning
 from ._identity import StreamId
 
@@ -158,14 +159,18 @@ class EventPool:
         lock is released: a finalizer it runs may call the library."""
         for _ in range(min(limit, len(self._captured))):
             event, keepalive, key = self._captured[0]
-            if _capture_guard.capturing(self._backend, key) is not False:
+            phase = _capture_guard.stream_phase(self._backend, key)
+            if phase is StreamPhase.CAPTURING or phase is StreamPhase.UNNAMED:
                 self._captured.rotate(-1)  # its capture is under way: never query it
                 continue
             self._captured.popleft()
-            try:  # the capture may have ended before the record: asked, not assumed
-                taken: bool | None = _capture_guard.taken_or_complete(self._backend, event)
-            except CudaError:
-                taken = None  # its work failed: never reuse it
+            taken: bool | None = True
+            if phase is StreamPhase.NOT_CAPTURING:  # (gone: a capture it was forked
+                # into may still run, and a query would invalidate it: taken back)
+                try:  # the capture may have ended before the record: asked, not assumed
+                    taken = _capture_guard.taken_or_complete(self._backend, event)
+                except CudaError:
+                    taken = None  # its work failed: never reuse it
             if taken is False:  # an ordinary record, behind pending work
                 self._draining.append((event, keepalive))
                 continue

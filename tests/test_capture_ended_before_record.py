@@ -173,3 +173,50 @@ def test_the_pool_keeps_an_owner_until_work_before_a_record_the_capture_missed(
         backend.destroy_event(fork)
     assert early == control  # the control let the owner go under the pending fill,
     assert (ops.to_host(new) == (7.0 if control else 1.0)).all()  # which lands in new
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["taken back", "control"])
+def test_a_gone_streams_captured_record_is_never_queried(
+    ops: DeviceOps, backend: cs.Backend, control: bool
+) -> None:
+    """A bare producer stream forked into a capture, consumed from inside it (a
+    graph edge), joined back and destroyed while the capture runs on: nothing
+    says whether that capture is over, so the pool takes the record's event back
+    without a query. The control asks it as a stream that merely stopped
+    capturing, which invalidates the capture."""
+    if ops.name != "sim":
+        pytest.skip("a destroyed stream's handle is undefined on a driver (docs/gpu.md)")
+    origin, consumer = cs.Stream(), cs.Stream()
+    producer = backend.create_stream()  # another library's, destroyed below
+    arr = ops.array(np.zeros(64, np.float32))
+    origin.begin_capture("relaxed")
+    try:
+        fork = backend.create_event()
+        backend.record(fork, origin.handle)
+        for s in (producer, consumer.handle):  # both forked into the capture
+            backend.stream_wait_event(s, fork)
+        view = cs.consume_blocking(cs.read_interface(arr).with_stream(producer), stream=consumer)
+        del view
+        for s in (producer, consumer.handle):  # joined back: the capture can end
+            back = backend.create_event()
+            backend.record(back, s)
+            backend.stream_wait_event(origin.handle, back)
+            backend.destroy_event(back)
+        backend.destroy_stream(producer)
+        with pytest.MonkeyPatch.context() as mp:
+            if control:
+                real = _capture_guard.stream_phase
+
+                def as_before(b: cs.Backend, key: Any) -> _capture_guard.StreamPhase:
+                    phase = real(b, key)
+                    gone = phase is _capture_guard.StreamPhase.GONE
+                    return _capture_guard.StreamPhase.NOT_CAPTURING if gone else phase
+
+                mp.setattr(_capture_guard, "stream_phase", as_before)
+            pool_for(backend, 0).reclaim()
+        status = backend.capture_status(origin.handle)
+        assert status == ("invalidated" if control else "active")
+    finally:
+        with contextlib.suppress(cs.CudaError):
+            origin.end_capture().close()
+        backend.destroy_event(fork)
