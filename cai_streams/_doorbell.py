@@ -96,8 +96,11 @@ WAKE_MODES: Final[tuple[WakeMode, ...]] = ("auto", "doorbell", "poll")
 #: the simulator they are. On an H100 (four runs, 2026-11-23, docs/performance.md)
 #: bells won at 1 waiter and in the median at 10,000, but their p99 at 100 and
 #: 1,000 waiters was 6-16 ms against the poller's 1.2-1.5 ms: "auto" polls on
-#: cuda (and on the decoy that stands in for it) until that is understood;
-#: ``wake="doorbell"`` still rings them there.
+#: cuda (and on the decoy that stands in for it). Traced since (docs/gpu.md):
+#: the driver runs a host function that follows a wait on another stream's
+#: event 9-22 ms after that event in the median, about 97 ms at p99, so the
+#: fallback pass finds those completions first. ``wake="doorbell"`` still rings
+#: bells there.
 AUTO_BACKENDS: Final = frozenset({"sim"})
 #: notifier streams per (backend, device); beyond this a bell is refused
 MAX_LANES: Final = 64
