@@ -9,7 +9,8 @@ capture inside that window, deterministically (the ask is wrapped: the capture
 ends right after it answers, as another thread's ``end_capture`` would), and
 proves with data that the work before the record is still waited for, beside a
 control that takes such a record for done, as the library did before, and reads
-the old data.
+the old data. The last test keeps the pool from asking a stream that is gone
+(its capture may still run in the stream it was forked from).
 """
 
 from __future__ import annotations
