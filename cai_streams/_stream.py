@@ -15,6 +15,8 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from anyio.lowlevel import checkpoint
+
 from . import _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._deferred import in_collection, later
@@ -548,7 +550,9 @@ class Event:
         Polls (never blocks the loop); a cancellation point. ``timeout`` in
         seconds raises :class:`TimeoutError` when it runs out. An event recorded
         in a graph capture under way raises :class:`~cai_streams.CaptureError`
-        (its work has not run; polling it would invalidate the capture).
+        (its work has not run; polling it would invalidate the capture); one
+        recorded in a capture that has ended returns at once (its work runs only
+        when a graph is launched: nothing is pending on any stream).
         Closing the event meanwhile (from another task) does not end the wait:
         the event is destroyed once the last wait on it ends.
         """
@@ -558,7 +562,12 @@ class Event:
             handle = self.handle
             self._waits += 1
         try:
-            await wait_for_event(self._backend, handle, mark=mark, timeout=timeout, keepalive=self)
+            if mark.captured and _capture_guard.taken_or_complete(self._backend, handle):
+                await checkpoint()  # (its capture has ended: check_host_wait)
+            else:
+                await wait_for_event(
+                    self._backend, handle, mark=mark, timeout=timeout, keepalive=self
+                )
         finally:
             with _waits_lock:
                 self._waits -= 1

@@ -419,6 +419,28 @@ def test_events_of_a_closed_capturing_stream_are_taken_back_without_asking_the_d
     assert held <= set(pool._free)
 
 
+async def test_waiting_on_an_event_recorded_in_a_capture_that_ended_returns_at_once(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    """Refused (CaptureError) while its capture is under way; once it ended, the
+    event stands for work that runs only when a graph is launched: the wait
+    returns, where the driver answers cudaErrorInvalidValue to a query."""
+    s = cs.Stream()
+    arr = ops.array(np.zeros(8, np.float32))
+    with _capturing(s):
+        ops.add(s, arr, 1.0)
+        event = s.record()
+        with pytest.raises(cs.CaptureError):
+            await event.wait(timeout=5)
+        graph = s.end_capture()
+    graph.close()
+    assert _code(lambda: backend.query(event.handle)) == "cudaErrorInvalidValue"
+    with anyio.fail_after(5):
+        await event.wait(timeout=5)
+    assert (ops.to_host(arr) == 0.0).all()  # the captured add never ran
+    event.close()
+
+
 # -- the headline: a capture in another thread survives the shared poller -----------
 
 WAITERS = 2000

@@ -21,6 +21,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -221,3 +222,36 @@ def test_a_gone_streams_captured_record_is_never_queried(
         with contextlib.suppress(cs.CudaError):
             origin.end_capture().close()
         backend.destroy_event(fork)
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["asked", "control"])
+def test_event_wait_waits_for_work_before_a_record_the_capture_missed(
+    ops: DeviceOps, backend: cs.Backend, control: bool
+) -> None:
+    """``await Event.wait()`` of ``Stream.record()``'s event, marked captured by
+    a capture that ended before the record: it waits for the pending fill; the
+    control returns at once."""
+    producer = cs.Stream()
+    arr = ops.array(np.zeros(64, np.float32))
+    latch = _held_then_filled(ops, producer, arr, 7.0)
+    backend.begin_capture(producer.handle, "relaxed")
+    with _ends_in_the_record_window(backend, producer):
+        event = producer.record()
+
+    async def wait() -> bool:
+        with anyio.move_on_after(0.2):
+            await event.wait(timeout=5)
+            return True
+        return False
+
+    with pytest.MonkeyPatch.context() as mp:
+        if control:
+            _as_before(mp)
+        returned = anyio.run(wait)
+        seen = ops.to_host(arr)
+    latch.release()
+    producer.synchronize()
+    assert returned == control
+    if control:  # returned while the fill was pending
+        assert (seen == 0.0).all()
+    event.close()
