@@ -142,32 +142,50 @@ def capturing(backend: Backend, key: StreamId) -> bool | None:
     stream); False for a stream this library made and closed since, or one
     destroyed. Asking invalidates nothing. The legacy stream while a blocking
     stream of its device captures: :class:`CaptureError`, since any use of it
-    would invalidate that capture."""
-    phase = stream_phase(backend, key)
-    return None if phase is StreamPhase.UNNAMED else phase is StreamPhase.CAPTURING
+    would invalidate that capture. (On every handoff: :func:`stream_phase` is
+    the same ask, telling a stream that is gone apart.)"""
+    if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
+        return None
+    if key.generation and not is_open(key):  # a stream this library made, closed since
+        return False  # (never ask the driver about a destroyed handle)
+    try:
+        return backend.capture_status(key.handle) != "none"
+    except CudaError as exc:
+        _gone_or_raise(exc, key)
+        return False
 
 
 def stream_phase(backend: Backend, key: StreamId) -> StreamPhase:
     """:func:`capturing`, telling a stream that is gone from one that does not
     capture (one ask of the driver at most)."""
-    if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
-        return StreamPhase.UNNAMED
-    if key.generation and not is_open(key):  # a stream this library made, closed since
-        return StreamPhase.GONE  # (never ask the driver about a destroyed handle)
-    try:
-        status = backend.capture_status(key.handle)
-    except CudaError as exc:
-        if exc.code == _IMPLICIT and key.handle == LEGACY_DEFAULT_STREAM:
-            raise CaptureError(
-                "the legacy default stream (1) cannot be used while a blocking stream "
-                "(such as the per-thread default stream, 2) captures a graph: capture on "
-                "a cs.Stream(), which is non-blocking, or use the legacy stream after "
-                "end_capture()"
-            ) from exc
-        if exc.code == _INVALID_HANDLE:
+    state = None
+    if key.generation and not is_open(key):
+        return StreamPhase.GONE
+    if key.handle != PER_THREAD_DEFAULT_STREAM or key.thread == thread_serial():
+        try:
+            state = backend.capture_status(key.handle) != "none"
+        except CudaError as exc:
+            _gone_or_raise(exc, key)
             return StreamPhase.GONE
-        raise
-    return StreamPhase.NOT_CAPTURING if status == "none" else StreamPhase.CAPTURING
+    if state is None:
+        return StreamPhase.UNNAMED
+    return StreamPhase.CAPTURING if state else StreamPhase.NOT_CAPTURING
+
+
+def _gone_or_raise(exc: CudaError, key: StreamId) -> None:
+    """A capture-state ask failed: returns if the stream is gone (destroyed),
+    else raises (:class:`CaptureError` for the legacy stream while a blocking
+    stream captures)."""
+    if exc.code == _INVALID_HANDLE:
+        return
+    if exc.code == _IMPLICIT and key.handle == LEGACY_DEFAULT_STREAM:
+        raise CaptureError(
+            "the legacy default stream (1) cannot be used while a blocking stream "
+            "(such as the per-thread default stream, 2) captures a graph: capture on "
+            "a cs.Stream(), which is non-blocking, or use the legacy stream after "
+            "end_capture()"
+        ) from exc
+    raise exc
 
 
 def in_capture(backend: Backend, mark: Mark | None) -> bool:
