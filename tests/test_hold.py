@@ -40,6 +40,17 @@ class Owner:
             self.nbytes = nbytes
 
 
+class Announced:
+    """An owner whose finalizer sets ``freed``: it says when it goes even from
+    inside a garbage collection (which clears a weakref to what it frees)."""
+
+    def __init__(self, freed: threading.Event) -> None:
+        self.freed = freed
+
+    def __del__(self) -> None:
+        self.freed.set()
+
+
 class Box:
     """A CAI object over a device array that can be weakly referenced; its
     interface names ``stream`` (None: nothing pending)."""
@@ -1141,19 +1152,15 @@ def test_a_finalizers_hold_whose_record_a_capture_took_waits_for_it(
     latch = ops.latch(s)
     freed = threading.Event()
 
-    class Owner:
-        def __del__(self) -> None:
-            freed.set()
-
     class Finalized:
-        def __init__(self, owner: Owner) -> None:
+        def __init__(self, owner: Announced) -> None:
             self.me = self  # a cycle: only a collection frees it
             self.owner = owner
 
         def __del__(self) -> None:
             cs.hold(self.owner, until=s)
 
-    owner = Owner()
+    owner = Announced(freed)
     Finalized(owner)
     real = backend.create_event
 
@@ -1214,11 +1221,6 @@ def test_a_hold_whose_record_a_brief_capture_took_is_recorded_again(
     s = cs.Stream()
     latch = ops.latch(s)
     freed = threading.Event()
-
-    class Dropped:
-        def __del__(self) -> None:
-            freed.set()
-
     real = backend.record
 
     def inside_a_brief_capture(event: int, stream: int) -> None:
@@ -1233,7 +1235,7 @@ def test_a_hold_whose_record_a_brief_capture_took_is_recorded_again(
             other.join(WAIT)
 
     monkeypatch.setattr(backend, "record", inside_a_brief_capture)
-    cs.hold(Dropped(), until=s)
+    cs.hold(Announced(freed), until=s)
     for _ in range(5):
         cs.stats()
     assert not freed.is_set(), "let go while the latch holds the stream"
