@@ -49,7 +49,6 @@ __all__ = [
     "capturing",
     "check_host_wait",
     "host_wait_idle",
-    "check_join",
     "check_wait",
     "event_complete",
     "host_skips",
@@ -230,20 +229,6 @@ def _query_idle(backend: Backend, key: StreamId) -> bool:
     """cudaStreamQuery of a stream known not to capture, in relaxed mode."""
     with relaxed(backend):
         return backend.query_stream(key.handle)
-
-
-def check_join(backend: Backend, waiter: StreamId, producer: StreamId, what: str) -> bool:
-    """Whether ``waiter`` must be made to wait for ``producer`` (False: the
-    producer is idle and the waiter captures, so nothing is needed);
-    :class:`CaptureError` when the wait cannot be made. Enqueues nothing."""
-    return check_wait(
-        waiter,
-        capturing(backend, waiter) is True,
-        producer,
-        producer_capturing=capturing(backend, producer) is True,
-        done=lambda: stream_idle(backend, producer),
-        what=what,
-    )
 
 
 def check_wait(

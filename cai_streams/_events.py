@@ -23,6 +23,7 @@ __all__ = [
     "pool_for",
     "pools_of",
     "record",
+    "record_asked",
     "registered",
 ]
 
@@ -54,7 +55,14 @@ def record(backend: Backend, event: int, key: StreamId) -> Mark:
 
     Only enqueues. For handle 2 the caller must be ``key``'s thread.
     """
-    captured = _capture_guard.capturing(backend, key) is True
+    return record_asked(backend, event, key, _capture_guard.capturing(backend, key))
+
+
+def record_asked(backend: Backend, event: int, key: StreamId, state: bool | None) -> Mark:
+    """:func:`record` for a caller that has just asked ``state``, what
+    :func:`~cai_streams._capture_guard.capturing` says of ``key``, with no
+    backend call since (so that another thread's capture beginning or ending
+    in between has the same narrow window as in :func:`record`). Only enqueues."""
     with _record_lock:
         backend.record(event, key.handle)
         seq = next(_order)

@@ -19,7 +19,7 @@ from ._access import Counters
 from ._backend import Backend, current_backend
 from ._doorbell import stats as doorbell_stats
 from ._errors import CudaError
-from ._events import pool_for, pools_of, record, registered
+from ._events import pool_for, pools_of, record_asked, registered
 from ._hold_table import table as holds
 from ._hold_table import tick as release_holds
 from ._identity import StreamId, stream_id_now
@@ -70,18 +70,31 @@ class Scheduler:
         CaptureError first (``what`` is the call, for its message); a capturing
         waiter of an idle producer needs none. ``waiter_id``: the waiter's
         identity, when the caller has it already."""
+        backend = self.backend
         if waiter_id is None:
-            waiter_id = stream_id_now(self.backend, waiter)
-        if not _capture_guard.check_join(self.backend, waiter_id, producer, what):
-            return
-        pool = pool_for(self.backend, producer.device)  # recorded on the producer's device
-        event = pool.acquire()
-        mark = None
+            waiter_id = stream_id_now(backend, waiter)
+        pool = pool_for(backend, producer.device)  # recorded on the producer's device
+        event = pool.acquire()  # first: it may query and create, and the record's ask
+        mark = None  # (below) must be the last backend call before the record
         try:
-            mark = record(self.backend, event, producer)
-            self.backend.stream_wait_event(waiter, event)  # legal across devices
+            waiter_capturing = _capture_guard.capturing(backend, waiter_id) is True
+            state = _capture_guard.capturing(backend, producer)
+            if not _capture_guard.check_wait(
+                waiter_id,
+                waiter_capturing,
+                producer,
+                producer_capturing=state is True,
+                done=lambda: _capture_guard.stream_idle(backend, producer),
+                what=what,
+            ):
+                return
+            mark = record_asked(backend, event, producer, state)
+            backend.stream_wait_event(waiter, event)  # legal across devices
         finally:
-            pool.release(event, keepalive, mark)
+            if mark is None:  # never recorded: it is as complete as it was handed out
+                pool.reuse(event)
+            else:
+                pool.release(event, keepalive, mark)
 
     def declare_stream_read(self, s: Stream, view: ArrayView, what: str) -> None:
         """Tell the sanitizer that work enqueued on ``s`` from now reads ``view``."""

@@ -38,11 +38,16 @@ def _unsanitized() -> Iterator[None]:
         yield
 
 
+#: (function, module) of each ask made right before a record, with no backend call between
+_RECORD_ASKS = {("record", "cai_streams._events"), ("join", "cai_streams._scheduler")}
+
+
 @contextlib.contextmanager
 def _ends_in_the_record_window(backend: cs.Backend, stream: cs.Stream) -> Iterator[list[int]]:
-    """In the block, the first time ``_events.record`` asks whether ``stream``
-    captures, the capture on it ends right after the answer. Yields the graphs
-    it ended (destroyed after the block)."""
+    """In the block, the first time a record's own ask (in ``_events.record``,
+    or in ``Scheduler.join``, which asks just before its record) finds that
+    ``stream`` captures, the capture on it ends right after the answer. Yields
+    the graphs it ended (destroyed after the block)."""
     real = _capture_guard.capturing
     ended: list[int] = []
 
@@ -53,8 +58,7 @@ def _ends_in_the_record_window(backend: cs.Backend, stream: cs.Stream) -> Iterat
             got is True
             and not ended
             and key.handle == stream.handle
-            and caller.f_code.co_name == "record"
-            and caller.f_globals["__name__"] == "cai_streams._events"
+            and (caller.f_code.co_name, caller.f_globals["__name__"]) in _RECORD_ASKS
         ):
             ended.append(backend.end_capture(stream.handle))
         return got
