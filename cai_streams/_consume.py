@@ -76,7 +76,7 @@ from ._interface import ArrayView, byte_range, parse, parse_read
 from ._pending import PendingWork
 from ._poller import check_timeout, wait_blocking, wait_for_events
 from ._running import checkpoint
-from ._scheduler import Scheduler, scheduler_for
+from ._scheduler import Scheduler, any_scheduler, scheduler_for
 from ._stream import Stream, as_stream
 from ._tracebacks import release_frames
 from ._tracked import BLOCK_TIMEOUT, lookup
@@ -401,9 +401,9 @@ def _handoff(
     view = parse(obj) if cai is Unread.UNREAD else parse_read(obj, cai)  # read once
     mode = plan(tracked=False, producer_stream=view.stream, stream=s, synced=synced)
     # An untracked row uses its scheduler for the backend's join alone (events
-    # come from the producer's stream's device): the array's device, a driver
-    # call on a GPU (cudaPointerGetAttributes), is not asked.
-    return _ROWS[mode](scheduler_for(backend), view, s)
+    # come from the producer's stream's device): neither the array's device
+    # (cudaPointerGetAttributes on a GPU) nor the current one is asked.
+    return _ROWS[mode](any_scheduler(backend), view, s)
 
 
 def _dlpack_handoff(obj: object, s: Stream | None, synced: bool, backend: Backend) -> _Handoff:

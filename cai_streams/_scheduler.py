@@ -28,7 +28,7 @@ from ._pending import PendingWork
 from ._poller import counters as poll_counters
 from ._stream import Stream
 
-__all__ = ["Scheduler", "find_work", "scheduler_for", "schedulers_of", "stats"]
+__all__ = ["Scheduler", "any_scheduler", "find_work", "scheduler_for", "schedulers_of", "stats"]
 
 
 class Scheduler:
@@ -197,6 +197,15 @@ def scheduler_for(backend: Backend, device: int | None = None) -> Scheduler:
         return made
 
     return registered(_schedulers, _schedulers_lock, (backend, on), make)
+
+
+def any_scheduler(backend: Backend) -> Scheduler:
+    """A scheduler of ``backend``, for work that no device's state is kept for
+    (the join of an untracked handoff: its event comes from the producer's
+    stream's device): the first one made, without asking the current device
+    (a cudaGetDevice on a GPU). Does not block."""
+    made = _of_backend.get(backend)
+    return made[0] if made else scheduler_for(backend)
 
 
 def schedulers_of(backend: Backend) -> list[Scheduler]:
