@@ -144,6 +144,9 @@ class _Handoff:
     #: the row hands the view to the consumer's stream: its owner is held until
     #: that stream passes the work enqueued while the view is in use (``_hold``)
     to_stream: ClassVar[bool] = False
+    #: ``begin`` looks at who calls (another owner's open block is waited for):
+    #: only then is the caller's owner asked (a few calls into the async library)
+    needs_owner: ClassVar[bool] = False
 
     def __init__(self, sched: Scheduler, view: ArrayView, stream: Stream | None) -> None:
         self.sched = sched
@@ -180,6 +183,8 @@ class _Handoff:
 
 
 class _Tracked(_Handoff):
+    needs_owner = True
+
     def __init__(
         self, sched: Scheduler, view: ArrayView, stream: Stream | None, work: PendingWork
     ) -> None:
@@ -364,6 +369,9 @@ class _DLPackOptOut(_Ready):
     to_stream = False  # (a _Ready, but not a row that hands its view to the stream)
 
 
+#: the ``me`` passed to the ``begin`` of rows that never look at it (``needs_owner``)
+_NOBODY: Owner = (0, None)
+
 _ROWS: dict[Mode, type[_Handoff]] = {
     row.mode: row
     for row in (
@@ -445,7 +453,7 @@ async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
     begun: list[_Handoff] = []
     complete = False
     try:
-        me = current_owner()
+        me = current_owner() if any(h.needs_owner for h in handoffs) else _NOBODY
         i = 0
         while i < len(handoffs):
             h = handoffs[i]
@@ -595,7 +603,7 @@ def consume_blocking(
     handoff = _handoff(obj, stream, sync, current_backend(), protocol)
     limit = BLOCK_TIMEOUT if timeout is None else timeout
     deadline = time.monotonic() + limit
-    me = current_owner()
+    me = current_owner() if handoff.needs_owner else _NOBODY
     blocked: Blocked | None = None
     try:
         while (blocked := handoff.begin(me)) is not None:
