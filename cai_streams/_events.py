@@ -66,7 +66,7 @@ def record_asked(backend: Backend, event: int, key: StreamId, state: bool | None
     with _record_lock:
         backend.record(event, key.handle)
         seq = next(_order)
-    return Mark(key, seq, captured)
+    return Mark(key, seq, state is True)
 
 
 #: the generations of lone marks' keys (negative: no stream the library made has one)
@@ -87,6 +87,13 @@ def lone(key: StreamId) -> Mark:
 
 #: free events kept for reuse; beyond this they are destroyed
 MAX_FREE: Final = 1024
+#: a release reclaims once this many events were released since the last
+#: reclaim (or are waiting), in one relaxed capture scope: two capture-mode
+#: exchanges per batch, not per release (driver calls on a GPU), and one query
+#: per completed event plus one for the first found pending. What a completed
+#: event keeps alive is let go at most this many releases late (or at the next
+#: acquire that finds no free event, or ``stats()``).
+RECLAIM_AT: Final = 4
 
 
 class EventPool:
@@ -112,12 +119,17 @@ class EventPool:
         self.created = 0
         self.destroyed = 0
         self.acquired = 0
+        #: a release reclaims once this many released events wait (RECLAIM_AT)
+        self._reclaim_at = RECLAIM_AT
 
     def acquire(self) -> int:
         gone: list[object] = []  # dropped on return, after the lock (see _reclaim)
         with self._lock:
-            if not self._free:  # queries only when there is nothing to hand out
-                self._reclaim(4, gone)
+            # Queries only when there is nothing to hand out and a batch waits
+            # (fewer: the pool grows instead, to the batch a release reclaims),
+            # past pending ones: not to create.
+            if not self._free and len(self._draining) + len(self._captured) >= RECLAIM_AT:
+                self._reclaim(RECLAIM_AT, gone, every=True)
             if self._free:
                 self.acquired += 1
                 return self._free.pop()
@@ -132,11 +144,16 @@ class EventPool:
         completes. ``mark``: where it was last recorded, if it was."""
         gone: list[object] = []
         with self._lock:
+            waiting = len(self._draining) + len(self._captured)
+            if waiting + 1 >= self._reclaim_at:  # before this one: it is likely pending
+                # every completed event up to the first found pending, and a
+                # batch of captured records (each costs a capture-state ask)
+                self._reclaim(waiting, gone, capture_asks=RECLAIM_AT)
+                self._reclaim_at = len(self._draining) + len(self._captured) + 1 + RECLAIM_AT
             if mark is not None and mark.captured:
                 self._captured.append((event, keepalive, mark.key))
             else:
                 self._draining.append((event, keepalive))
-            self._reclaim(2, gone)
 
     def adopt(self, event: int) -> None:
         """Count ``event``, made elsewhere (by a finalizer, see ``_deferred``)
@@ -159,13 +176,23 @@ class EventPool:
         gone: list[object] = []
         with self._lock:
             self._reclaim(max(len(self._draining), len(self._captured)), gone, every=True)
+            self._reclaim_at = len(self._draining) + len(self._captured) + RECLAIM_AT
 
-    def _reclaim(self, limit: int, gone: list[object], *, every: bool = False) -> None:
-        """Look at up to ``limit`` released events; ``every``: past the pending
+    def _reclaim(
+        self,
+        limit: int,
+        gone: list[object],
+        *,
+        every: bool = False,
+        capture_asks: int | None = None,
+    ) -> None:
+        """Look at up to ``limit`` released events (of those recorded in a
+        capture, up to ``capture_asks`` if given); ``every``: past the pending
         ones too (else the first found pending ends the call). What completed
         events kept alive goes to ``gone``, for the caller to drop once the
         lock is released: a finalizer it runs may call the library."""
-        for _ in range(min(limit, len(self._captured))):
+        asks = limit if capture_asks is None else min(limit, capture_asks)
+        for _ in range(min(asks, len(self._captured))):
             event, keepalive, key = self._captured[0]
             phase = _capture_guard.stream_phase(self._backend, key)
             if phase is StreamPhase.CAPTURING or phase is StreamPhase.UNNAMED:

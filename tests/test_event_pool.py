@@ -3,12 +3,13 @@ queries as possible, and a long kernel holds up no one else's reuse."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 import pytest
 
 import cai_streams as cs
-from cai_streams._events import EventPool
+from cai_streams._events import RECLAIM_AT, EventPool
 
 from .device_ops import DeviceOps, Latch
 
@@ -50,7 +51,7 @@ def held(ops: DeviceOps) -> Iterator[tuple[cs.Stream, Latch]]:
     s.close()
 
 
-def test_a_release_behind_pending_work_spends_one_query(
+def test_releases_behind_pending_work_spend_one_query_a_batch(
     held: tuple[cs.Stream, Latch],
 ) -> None:
     s, _ = held
@@ -61,10 +62,52 @@ def test_a_release_behind_pending_work_spends_one_query(
         for event in events:
             backend.record(event, s.handle)
             pool.release(event)
-    # each release asks about the oldest pending event once, then stops:
-    # querying the rest would find them pending too (record order)
-    assert (queries.pending, queries.done) == (20, 0)
+    # every RECLAIM_AT-th release asks about the oldest pending event once,
+    # then stops: querying the rest would find them pending too (record order)
+    assert (queries.pending, queries.done) == (20 // RECLAIM_AT, 0)
     assert pool.free == 0
+
+
+def test_owners_are_let_go_at_most_a_batch_of_releases_late(
+    held: tuple[cs.Stream, Latch],
+) -> None:
+    """What a released event keeps alive is let go once the event completes,
+    at most RECLAIM_AT releases later, however many free events the pool has
+    (so no acquire ever needs to reclaim); control: while its work is pending,
+    the owner is kept through every release."""
+    slow, latch = held
+    idle = cs.Stream()
+    backend = cs.current_backend()
+    pool = EventPool(backend)
+    spare = [pool.acquire() for _ in range(4 * RECLAIM_AT)]
+    for event in spare:
+        pool.reuse(event)  # a pool that never runs out
+
+    class Owner:
+        pass
+
+    def released_until_gone(owner_ref: weakref.ref[Owner], stream: cs.Stream) -> int:
+        for n in range(1, 3 * RECLAIM_AT):
+            event = pool.acquire()
+            backend.record(event, stream.handle)
+            stream.synchronize()
+            pool.release(event)
+            if owner_ref() is None:
+                return n
+        return -1
+
+    owner = Owner()
+    ref = weakref.ref(owner)
+    event = pool.acquire()
+    backend.record(event, slow.handle)
+    pool.release(event, owner)
+    del owner
+    assert released_until_gone(ref, idle) == -1  # control: pending, kept
+    latch.release()
+    slow.synchronize()
+    assert 1 <= released_until_gone(ref, idle) <= RECLAIM_AT
+    assert pool.created == 4 * RECLAIM_AT
+    idle.close()
 
 
 def test_a_long_kernel_holds_up_no_one_elses_reuse(
@@ -74,16 +117,18 @@ def test_a_long_kernel_holds_up_no_one_elses_reuse(
     idle = cs.Stream()
     backend = cs.current_backend()
     pool = EventPool(backend)
-    first, second, third = pool.acquire(), pool.acquire(), pool.acquire()
+    first, *others = [pool.acquire() for _ in range(1 + 2 * RECLAIM_AT)]
     backend.record(first, slow.handle)  # pending until the latch is released
     pool.release(first)
-    for event in (second, third):
+    for event in others:
         backend.record(event, idle.handle)
         idle.synchronize()  # complete
         pool.release(event)
-    # the completed ones are handed out again, the pending one is not
-    assert {pool.acquire(), pool.acquire()} == {second, third}
-    assert pool.created == 3
+    # completed ones are handed out again (a batch's worth), the pending one is
+    # not, and no event is made meanwhile
+    again = {pool.acquire() for _ in range(RECLAIM_AT)}
+    assert again <= set(others)
+    assert pool.created == 1 + 2 * RECLAIM_AT
     idle.close()
 
 
