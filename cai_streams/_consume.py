@@ -296,7 +296,10 @@ class _UntrackedHost(_Handoff):
         finally:
             events, self.events = self.events, []
             for event, _ in events:
-                self.pool.release(event, self.view)  # the owner lives until it completes
+                if complete:  # the wait found it done: free at once, no query
+                    self.pool.reuse(event)
+                else:  # the owner lives until it completes
+                    self.pool.release(event, self.view)
 
 
 class _UntrackedEnqueue(_Handoff):
