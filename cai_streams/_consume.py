@@ -456,7 +456,11 @@ async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
     begun: list[_Handoff] = []
     complete = False
     try:
-        me = current_owner() if any(h.needs_owner for h in handoffs) else _NOBODY
+        me = _NOBODY
+        for h in handoffs:  # (no generator: this is every await consume)
+            if h.needs_owner:
+                me = current_owner()
+                break
         i = 0
         while i < len(handoffs):
             h = handoffs[i]
