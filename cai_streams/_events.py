@@ -87,13 +87,15 @@ def lone(key: StreamId) -> Mark:
 
 #: free events kept for reuse; beyond this they are destroyed
 MAX_FREE: Final = 1024
-#: a release reclaims once this many events were released since the last
-#: reclaim (or are waiting), in one relaxed capture scope: two capture-mode
-#: exchanges per batch, not per release (driver calls on a GPU), and one query
-#: per completed event plus one for the first found pending. What a completed
-#: event keeps alive is let go at most this many releases late (or at the next
-#: acquire that finds no free event, or ``stats()``).
+#: every this many releases, a release reclaims, in one relaxed capture scope:
+#: two capture-mode exchanges per batch, not per release (driver calls on a
+#: GPU), and one query per completed event plus one for the first found
+#: pending. What a completed event keeps alive is let go at most this many
+#: releases late (or at an acquire that finds no free event, or ``stats()``).
 RECLAIM_AT: Final = 4
+#: an acquire with no free event stops reclaiming at this many found pending
+#: (the ones behind the first may be another stream's, complete)
+ACQUIRE_MISSES: Final = 2
 
 
 class EventPool:
@@ -119,17 +121,17 @@ class EventPool:
         self.created = 0
         self.destroyed = 0
         self.acquired = 0
-        #: a release reclaims once this many released events wait (RECLAIM_AT)
-        self._reclaim_at = RECLAIM_AT
+        #: releases since the last batch (one every RECLAIM_AT releases)
+        self._released = 0
 
     def acquire(self) -> int:
         gone: list[object] = []  # dropped on return, after the lock (see _reclaim)
         with self._lock:
             # Queries only when there is nothing to hand out and a batch waits
             # (fewer: the pool grows instead, to the batch a release reclaims),
-            # past pending ones: not to create.
+            # past a pending one: not to create.
             if not self._free and len(self._draining) + len(self._captured) >= RECLAIM_AT:
-                self._reclaim(RECLAIM_AT, gone, every=True)
+                self._reclaim(RECLAIM_AT, gone, misses=ACQUIRE_MISSES)
             if self._free:
                 self.acquired += 1
                 return self._free.pop()
@@ -144,12 +146,14 @@ class EventPool:
         completes. ``mark``: where it was last recorded, if it was."""
         gone: list[object] = []
         with self._lock:
-            waiting = len(self._draining) + len(self._captured)
-            if waiting + 1 >= self._reclaim_at:  # before this one: it is likely pending
-                # every completed event up to the first found pending, and a
-                # batch of captured records (each costs a capture-state ask)
+            self._released += 1
+            if self._released >= RECLAIM_AT:  # before this one: it is likely pending
+                self._released = 0
+                # every completed event up to the first found pending (a
+                # backlog, after a burst, at once), and a batch of captured
+                # records (each costs a capture-state ask)
+                waiting = len(self._draining) + len(self._captured)
                 self._reclaim(waiting, gone, capture_asks=RECLAIM_AT)
-                self._reclaim_at = len(self._draining) + len(self._captured) + 1 + RECLAIM_AT
             if mark is not None and mark.captured:
                 self._captured.append((event, keepalive, mark.key))
             else:
@@ -163,6 +167,13 @@ class EventPool:
             self.created += 1
             self.acquired += 1
 
+    def unacquire(self, event: int) -> None:
+        """Give back ``event``, acquired and never recorded: free at once, and
+        not counted as handed out."""
+        with self._lock:
+            self.acquired -= 1
+        self.reuse(event)
+
     def reuse(self, event: int) -> None:
         """Give back ``event``, which the caller saw complete: free at once, no query."""
         with self._lock:
@@ -175,22 +186,22 @@ class EventPool:
         """Move every completed released event to the free list."""
         gone: list[object] = []
         with self._lock:
-            self._reclaim(max(len(self._draining), len(self._captured)), gone, every=True)
-            self._reclaim_at = len(self._draining) + len(self._captured) + RECLAIM_AT
+            limit = max(len(self._draining), len(self._captured))
+            self._reclaim(limit, gone, misses=limit)
 
     def _reclaim(
         self,
         limit: int,
         gone: list[object],
         *,
-        every: bool = False,
+        misses: int = 1,
         capture_asks: int | None = None,
     ) -> None:
         """Look at up to ``limit`` released events (of those recorded in a
-        capture, up to ``capture_asks`` if given); ``every``: past the pending
-        ones too (else the first found pending ends the call). What completed
-        events kept alive goes to ``gone``, for the caller to drop once the
-        lock is released: a finalizer it runs may call the library."""
+        capture, up to ``capture_asks`` if given), until ``misses`` were found
+        pending. What completed events kept alive goes to ``gone``, for the
+        caller to drop once the lock is released: a finalizer it runs may call
+        the library."""
         asks = limit if capture_asks is None else min(limit, capture_asks)
         for _ in range(min(asks, len(self._captured))):
             event, keepalive, key = self._captured[0]
@@ -223,11 +234,12 @@ class EventPool:
                 if done is False:
                     # Events complete in record order on each stream, and the
                     # queue is in release order: the ones behind it are
-                    # likely pending too. One query found so is enough for
-                    # this call; it goes to the back, so a long kernel holds
-                    # up no one else's reuse.
+                    # likely pending too. A query found so ends the call (or
+                    # ``misses`` of them); it goes to the back, so a long
+                    # kernel holds up no one else's reuse.
                     self._draining.rotate(-1)
-                    if every:
+                    misses -= 1
+                    if misses > 0:
                         continue
                     break
                 self._draining.popleft()

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 import cai_streams as cs
-from cai_streams._events import RECLAIM_AT, EventPool
+from cai_streams._backend import CaptureStatus
+from cai_streams._events import RECLAIM_AT, EventPool, Mark
 
 from .device_ops import DeviceOps, Latch
 
@@ -151,3 +152,110 @@ def test_reclaim_moves_every_completed_event_past_pending_ones(
     pool.reclaim()
     assert (pool.free, pool.in_flight) == (10, 1)
     idle.close()
+
+
+def test_a_burst_left_waiting_is_let_go_by_the_next_batch(
+    held: tuple[cs.Stream, Latch],
+) -> None:
+    """A burst of releases behind a long kernel, then a loop of releases of
+    completed work: once the kernel is done, the next batch lets go of the whole
+    backlog (every completed event up to the first pending, not a batch's
+    worth), and from then on at most a batch of owners waits. Control: while
+    the kernel is pending, the burst's owners are all kept."""
+    slow, latch = held
+    idle = cs.Stream()
+    backend = cs.current_backend()
+    pool = EventPool(backend)
+
+    class Owner:
+        pass
+
+    alive: set[int] = set()
+
+    def owner() -> Owner:
+        made = Owner()
+        alive.add(id(made))
+        weakref.finalize(made, alive.discard, id(made))
+        return made
+
+    burst = 10 * RECLAIM_AT
+    for _ in range(burst):
+        event = pool.acquire()
+        backend.record(event, slow.handle)
+        pool.release(event, owner())
+    assert len(alive) == burst  # control: pending, every one kept
+    latch.release()
+    slow.synchronize()
+    for i in range(3 * RECLAIM_AT):
+        event = pool.acquire()
+        backend.record(event, idle.handle)
+        idle.synchronize()
+        pool.release(event, owner())
+        if i >= RECLAIM_AT:  # a batch has come: the backlog is gone
+            assert len(alive) <= RECLAIM_AT, len(alive)
+    assert pool.created <= burst + RECLAIM_AT
+    idle.close()
+
+
+def test_an_acquire_with_nothing_free_reclaims_past_a_pending_event(
+    held: tuple[cs.Stream, Latch],
+) -> None:
+    """Two pending events and two completed ones wait, the pending ones in
+    front, and nothing is free: an acquire hands out a completed one rather
+    than make an event (it stops at the second pending one it finds)."""
+    slow, _ = held
+    idle = cs.Stream()
+    backend = cs.current_backend()
+    pool = EventPool(backend)
+    pending = [pool.acquire(), pool.acquire()]
+    done = [pool.acquire(), pool.acquire()]
+    for event in pending:
+        backend.record(event, slow.handle)
+    for event in done:
+        backend.record(event, idle.handle)
+    idle.synchronize()
+    for event in [*pending, *done]:  # the batch's reclaim, at the last, finds one pending
+        pool.release(event)
+    assert (pool.free, pool.in_flight) == (0, 4)
+    assert pool.acquire() in done
+    assert pool.created == 4
+    idle.close()
+
+
+def test_a_batch_asks_about_at_most_a_batch_of_captured_records(
+    backend: cs.Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many events recorded in a capture still under way wait for it to end:
+    each batch asks about RECLAIM_AT of them (a capture-state ask each), not
+    all. Control: a full reclaim asks about every one."""
+    if backend.name != "sim":
+        pytest.skip("counts the simulator's capture-state asks")
+    s = cs.Stream()
+    pool = EventPool(backend)
+    n = 10 * RECLAIM_AT
+    events = [pool.acquire() for _ in range(n + RECLAIM_AT)]
+    asks = 0
+    real = backend.capture_status
+
+    def counted(handle: int) -> CaptureStatus:
+        nonlocal asks
+        asks += 1
+        return real(handle)
+
+    s.begin_capture("relaxed")
+    try:
+        for i, event in enumerate(events[:n]):
+            backend.record(event, s.handle)
+            pool.release(event, None, Mark(s._key(), i, captured=True))
+        with monkeypatch.context() as mp:
+            mp.setattr(backend, "capture_status", counted)
+            for event in events[n:]:  # one batch more
+                pool.release(event)
+            assert 1 <= asks <= RECLAIM_AT
+            asks = 0
+            pool.reclaim()
+            assert asks >= n  # control: every captured record asked about
+    finally:
+        s.end_capture().close()
+        pool.reclaim()
+    s.close()
