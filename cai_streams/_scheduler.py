@@ -92,7 +92,7 @@ class Scheduler:
             backend.stream_wait_event(waiter, event)  # legal across devices
         finally:
             if mark is None:  # never recorded: it is as complete as it was handed out
-                pool.reuse(event)
+                pool.unacquire(event)
             else:
                 pool.release(event, keepalive, mark)
 

@@ -168,6 +168,72 @@ def test_a_host_wait_gives_its_event_back_at_once(sim_backend: cs.Backend, mode:
     producer.close()
 
 
+def test_a_capturing_consumer_of_an_idle_producer_takes_no_event(sim_backend: cs.Backend) -> None:
+    """A consumer's stream captures and the producer's is idle: the join needs
+    no wait, and the event it took first goes back unrecorded, not counted as
+    handed out and free at once. Control: a join that records (the producer
+    in the same capture) hands one out."""
+    producer, mine = cs.Stream(), cs.Stream()
+    arr = sim.empty(1024)
+    arr.stream = producer.handle
+    cs.stats()
+    before = cs.stats()
+    mine.begin_capture("relaxed")
+    try:
+        for _ in range(3):
+            cs.consume_blocking(arr, stream=mine)
+        after = cs.stats()
+        assert after["events_acquired"] == before["events_acquired"]
+        assert after["events_in_flight"] == before["events_in_flight"]
+    finally:
+        mine.end_capture().close()
+    producer.begin_capture("relaxed")
+    try:
+        side = cs.Stream()
+        side.wait(producer.record())  # side joins the producer's capture
+        before = cs.stats()
+        cs.consume_blocking(arr, stream=side)  # a graph edge: recorded
+        assert cs.stats()["events_acquired"] == before["events_acquired"] + 1
+        producer.wait(side.record())
+    finally:
+        producer.end_capture().close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_only_tracked_handoffs_ask_who_is_calling(
+    sim_backend: cs.Backend, monkeypatch: pytest.MonkeyPatch, anyio_backend: str
+) -> None:
+    """Only a tracked row looks at who calls (another owner's open block is
+    waited for): an untracked handoff never asks (a few calls into the async
+    library each time); a tracked one asks once."""
+    from cai_streams import _blocks, _consume
+
+    asked = 0
+    real = _blocks.current_owner
+
+    def counted() -> Any:
+        nonlocal asked
+        asked += 1
+        return real()
+
+    monkeypatch.setattr(_consume, "current_owner", counted)
+    producer, mine = cs.Stream(), cs.Stream()
+    arr = sim.empty(1024)
+    arr.stream = producer.handle
+    cs.consume_blocking(arr)
+    cs.consume_blocking(arr, stream=mine)
+    await cs.consume(arr)
+    await cs.consume(arr, stream=mine)
+    await cs.consume_all(arr, arr)
+    assert asked == 0
+    t = cs.track(sim.empty(1024))
+    cs.consume_blocking(t)
+    await cs.consume(t, stream=mine)
+    await cs.consume_all(arr, t)
+    assert asked == 3
+
+
 def test_host_mode_of_complete_tracked_work_makes_no_call(sim_backend: cs.Backend) -> None:
     s = cs.Stream()
     t = cs.track(sim.empty(1024))
