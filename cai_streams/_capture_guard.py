@@ -119,8 +119,11 @@ class RelaxedScope:
 
 def query_event(backend: Backend, event: int) -> bool:
     """The library's own query of an event recorded outside any capture."""
-    with relaxed(backend):
+    previous = backend.exchange_capture_mode("relaxed")  # (inline: :class:`relaxed`,
+    try:  # without its object and calls, on every host wait's poll)
         return backend.query(event)
+    finally:
+        backend.exchange_capture_mode(previous)
 
 
 class StreamPhase(enum.Enum):
@@ -227,8 +230,11 @@ def stream_idle(backend: Backend, key: StreamId) -> bool:
 
 def _query_idle(backend: Backend, key: StreamId) -> bool:
     """cudaStreamQuery of a stream known not to capture, in relaxed mode."""
-    with relaxed(backend):
+    previous = backend.exchange_capture_mode("relaxed")  # (inline, as in query_event:
+    try:  # every host consume of an idle producer comes here)
         return backend.query_stream(key.handle)
+    finally:
+        backend.exchange_capture_mode(previous)
 
 
 def check_wait(
