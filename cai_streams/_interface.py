@@ -501,8 +501,9 @@ def _parse_common(obj: object, cai: Any) -> ArrayView | None:
         for n in raw_strides:
             if type(n) is not int:
                 return None
-    layout = _layouts.get(key)
-    if layout is None:
+    try:  # a subscript: cheaper than get() on a hit, and a miss goes the slow way anyway
+        layout = _layouts[key]
+    except KeyError:
         return None
     ptr, readonly = data
     shape, strides, dtype, size, nbytes, ptr_min, ptr_max = layout
@@ -517,6 +518,7 @@ def _parse_common(obj: object, cai: Any) -> ArrayView | None:
         descr = cai["descr"]
         if descr is not None and (type(descr) is not list or descr != [("", typestr)]):
             return None
+    # _make's stores, inline: its call is 40 ns of a parse of about 1 us
     view = _Filling()
     view.ptr = ptr
     view.shape = shape

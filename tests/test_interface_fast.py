@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from cai_streams import InterfaceError, _interface
 from cai_streams._interface import ArrayView, _parse_common, parse, parse_read
 
+from .test_interface import DictLike  # keys() and [], no Mapping: only version 0 allows it
+
 PTR = 0x7F00_0000_0000
 
 
@@ -252,19 +254,6 @@ class Mask:
         self.__cuda_array_interface__ = {
             "shape": shape, "typestr": "|b1", "data": (PTR, True), "version": 2,
         }  # fmt: skip
-
-
-class DictLike:
-    """Has keys() and [] but is no Mapping: only version 0 allowed these."""
-
-    def __init__(self, cai: dict[str, Any]) -> None:
-        self.cai = cai
-
-    def keys(self) -> Any:
-        return self.cai.keys()
-
-    def __getitem__(self, key: str) -> Any:
-        return self.cai[key]
 
 
 def _elements(values: tuple[int, ...], how: str) -> Any:
