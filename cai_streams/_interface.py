@@ -423,8 +423,10 @@ def parse_read(obj: object, cai: Any) -> ArrayView:
 
 #: validated layouts of the common shape: (shape, typestr, strides as given,
 #: version) -> (shape, strides, dtype, size, nbytes, lowest and highest pointer
-#: it allows)
-_Layout = tuple[tuple[int, ...], tuple[int, ...], "np.dtype[Any]", int, int, int, int]
+#: it allows, the trivial descr ``[("", typestr)]`` CuPy sends, made once)
+_Layout = tuple[
+    tuple[int, ...], tuple[int, ...], "np.dtype[Any]", int, int, int, int, list[tuple[str, str]]
+]
 _layouts: dict[tuple[Any, ...], _Layout] = {}
 #: the one element type the fast path takes in shapes and strides: a value of
 #: another type may equal an int (4.0, True) and so find its cached layout
@@ -456,7 +458,7 @@ def _remember(
     # the pointers that keep every byte in [1, 2**64): one chained comparison
     ptr_range = (max(1, -lo), _ADDRESS_LIMIT - hi)
     key = (raw_shape, typestr, raw_strides, version)
-    _layouts[key] = (shape, strides, dtype, size, nbytes, *ptr_range)
+    _layouts[key] = (shape, strides, dtype, size, nbytes, *ptr_range, [("", typestr)])
 
 
 def _parse_common(obj: object, cai: Any) -> ArrayView | None:
@@ -506,7 +508,7 @@ def _parse_common(obj: object, cai: Any) -> ArrayView | None:
     except KeyError:
         return None
     ptr, readonly = data
-    shape, strides, dtype, size, nbytes, ptr_min, ptr_max = layout
+    shape, strides, dtype, size, nbytes, ptr_min, ptr_max, trivial_descr = layout
     if type(ptr) is not int or type(readonly) is not bool or not ptr_min <= ptr <= ptr_max:
         return None
     stream = cai.get("stream") if version == _LATEST else None
@@ -516,7 +518,7 @@ def _parse_common(obj: object, cai: Any) -> ArrayView | None:
         return None
     if "descr" in cai:
         descr = cai["descr"]
-        if descr is not None and (type(descr) is not list or descr != [("", typestr)]):
+        if descr is not None and (type(descr) is not list or descr != trivial_descr):
             return None
     # _make's stores, inline: its call is 40 ns of a parse of about 1 us
     view = _Filling()
