@@ -8,6 +8,7 @@ interface at all).
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Mapping
 from typing import Any, Final
@@ -244,9 +245,6 @@ class ArrayView(_ViewSlots):
 _set_cai = _ViewSlots.__dict__["_cai"].__set__  # the cached export, once made
 
 
-_new: Final = object.__new__
-
-
 class _Filling(_ViewSlots):
     """An ArrayView being filled in: the same storage without the frozen
     ``__setattr__``, so each store is a plain slot store. :func:`_make` turns
@@ -269,7 +267,7 @@ def _make(
     stream: int | None,
     owner: object,
 ) -> ArrayView:
-    view = _new(_Filling)
+    view = _Filling()
     view.ptr = ptr
     view.shape = shape
     view.strides = strides
@@ -412,11 +410,7 @@ def parse(obj: object) -> ArrayView:
         cai = obj.__cuda_array_interface__  # type: ignore[attr-defined]
     except AttributeError as exc:
         raise _unreadable(obj, exc)  # noqa: B904 - its cause is set there
-    if type(cai) is dict:
-        view = _parse_common(obj, cai)
-        if view is not None:
-            return view
-    return _validate(obj, cai, ())
+    return _parse_common(obj, cai) or _validate(obj, cai, ())
 
 
 def parse_read(obj: object, cai: Any) -> ArrayView:
@@ -424,20 +418,21 @@ def parse_read(obj: object, cai: Any) -> ArrayView:
     (so that a handoff reads it once). A view is its own parse."""
     if isinstance(obj, ArrayView):
         return obj
-    if type(cai) is dict:
-        view = _parse_common(obj, cai)
-        if view is not None:
-            return view
-    return _validate(obj, cai, ())
+    return _parse_common(obj, cai) or _validate(obj, cai, ())
 
 
-#: validated layouts of the common shape: (shape, typestr, strides as given) ->
-#: (shape, strides, dtype, size, nbytes, lowest and highest pointer it allows)
-_Layout = tuple[tuple[int, ...], tuple[int, ...], "np.dtype[Any]", int, int, int, int]
+#: validated layouts of the common shape: (shape, typestr, strides as given,
+#: version) -> (shape, strides, dtype, size, nbytes, lowest and highest pointer
+#: it allows, the trivial descr ``[("", typestr)]`` CuPy sends, made once)
+_Layout = tuple[
+    tuple[int, ...], tuple[int, ...], "np.dtype[Any]", int, int, int, int, list[tuple[str, str]]
+]
 _layouts: dict[tuple[Any, ...], _Layout] = {}
 #: the one element type the fast path takes in shapes and strides: a value of
 #: another type may equal an int (4.0, True) and so find its cached layout
 _INT: Final = frozenset((int,))
+#: a dict's cache key in one C-level call (KeyError when one is missing)
+_key_of: Final = operator.itemgetter("shape", "typestr", "strides", "version")
 
 
 def _exact_ints(values: object) -> bool:
@@ -450,6 +445,7 @@ def _remember(
     strides: tuple[int, ...],
     dtype: np.dtype[Any],
     size: int,
+    version: int,
 ) -> None:
     """After full validation: cache a layout the fast path may take (exact ints only)."""
     raw_shape, raw_strides, typestr = cai["shape"], cai.get("strides"), cai["typestr"]
@@ -461,59 +457,70 @@ def _remember(
     nbytes = size * dtype.itemsize
     # the pointers that keep every byte in [1, 2**64): one chained comparison
     ptr_range = (max(1, -lo), _ADDRESS_LIMIT - hi)
-    _layouts[(raw_shape, typestr, raw_strides)] = (shape, strides, dtype, size, nbytes, *ptr_range)
+    key = (raw_shape, typestr, raw_strides, version)
+    _layouts[key] = (shape, strides, dtype, size, nbytes, *ptr_range, [("", typestr)])
 
 
-def _parse_common(obj: object, cai: dict[str, Any]) -> ArrayView | None:
+def _parse_common(obj: object, cai: Any) -> ArrayView | None:
     """The fast path: a dict of version 2 or 3 with exact int and bool values,
     no mask, no descr but the trivial one (``[("", typestr)]``, which CuPy
     sends), and a layout that full validation already accepted. None sends
     everything else through full validation.
 
-    Written for speed (issue #20: within 3x of reading the dict): subscripts
-    rather than ``get`` for the required keys, and inline loops for the exact
-    int checks, since 4.0 and True hash as 4 and 1 do and only full validation
-    refuses them.
+    Written for speed (issue #20: within 3x of reading the dict). The cache
+    key is taken by one C-level ``itemgetter`` and holds the version, so one
+    lookup checks the layout and the version; the exact-type checks stay,
+    since 4.0 and True equal (and hash as) 4 and 1, which full validation
+    refuses; the trivial descr to compare with is made once per layout.
+    tests/test_interface_fast.py removes each check in turn and shows that a
+    near miss then gets through.
     """
+    if type(cai) is not dict:  # else its subscripts could run user code
+        return None
     try:
-        shape, typestr, data, version = cai["shape"], cai["typestr"], cai["data"], cai["version"]
+        key = _key_of(cai)
+        data = cai["data"]
     except KeyError:
+        if "strides" in cai:  # another key missing: full validation names it
+            return None
+        key = (cai.get("shape"), cai.get("typestr"), None, cai.get("version"))
+        data = cai.get("data")
+    raw_shape, typestr, raw_strides, version = key
+    # exact types first: only they hash and compare without calling user code
+    if (
+        type(raw_shape) is not tuple
+        or type(typestr) is not str
+        or type(version) is not int
+        or type(data) is not tuple
+        or len(data) != 2
+    ):
         return None
-    if type(shape) is not tuple or type(typestr) is not str or type(data) is not tuple:
-        return None
-    for n in shape:
+    for n in raw_shape:
         if type(n) is not int:
             return None
-    strides = cai.get("strides")
-    if strides is not None:
-        if type(strides) is not tuple:
+    if raw_strides is not None:
+        if type(raw_strides) is not tuple:
             return None
-        for n in strides:
+        for n in raw_strides:
             if type(n) is not int:
                 return None
-    layout = _layouts.get((shape, typestr, strides))
-    if layout is None or type(version) is not int or not 2 <= version <= _LATEST:
+    try:  # a subscript: cheaper than get() on a hit, and a miss goes the slow way anyway
+        layout = _layouts[key]
+    except KeyError:
+        return None
+    ptr, readonly = data
+    shape, strides, dtype, size, nbytes, ptr_min, ptr_max, trivial_descr = layout
+    if type(ptr) is not int or type(readonly) is not bool or not ptr_min <= ptr <= ptr_max:
+        return None
+    stream = cai.get("stream") if version == _LATEST else None
+    if stream is not None and (type(stream) is not int or not 0 < stream < _ADDRESS_LIMIT):
         return None
     if "mask" in cai and cai["mask"] is not None:
         return None
     if "descr" in cai:
         descr = cai["descr"]
-        if descr is not None and (type(descr) is not list or descr != [("", typestr)]):
+        if descr is not None and (type(descr) is not list or descr != trivial_descr):
             return None
-    if len(data) != 2:
-        return None
-    ptr, readonly = data
-    if type(ptr) is not int or type(readonly) is not bool:
-        return None
-    if version != _LATEST:
-        stream = None
-    else:
-        stream = cai.get("stream")
-        if stream is not None and (type(stream) is not int or not 0 < stream < _ADDRESS_LIMIT):
-            return None
-    shape, strides, dtype, size, nbytes, ptr_min, ptr_max = layout
-    if not ptr_min <= ptr <= ptr_max:
-        return None
     return _make(
         ptr, shape, strides, dtype, typestr, readonly, size, nbytes, version, None, stream, obj
     )
@@ -633,7 +640,7 @@ def _validate(obj: object, cai: Any, masking: tuple[int, ...]) -> ArrayView:
 
     descr = cai.get("descr")
     if mask is None and 2 <= version and (descr is None or descr == [("", cai["typestr"])]):
-        _remember(cai, shape, strides, dtype, size)
+        _remember(cai, shape, strides, dtype, size, version)
     return _make(
         ptr,
         shape,

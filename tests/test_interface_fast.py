@@ -8,6 +8,9 @@ must never accept what full validation refuses.
 
 from __future__ import annotations
 
+import inspect
+import textwrap
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,6 +20,8 @@ from hypothesis import strategies as st
 
 from cai_streams import InterfaceError, _interface
 from cai_streams._interface import ArrayView, _parse_common, parse, parse_read
+
+from .test_interface import DictLike  # keys() and [], no Mapping: only version 0 allows it
 
 PTR = 0x7F00_0000_0000
 
@@ -231,3 +236,295 @@ def test_an_unreadable_interface_keeps_its_cause() -> None:
     with pytest.raises(TypeError, match="does not expose") as missing:
         parse(object())
     assert missing.value.__cause__ is None and missing.value.__suppress_context__
+
+
+# --- near misses: the fast path against full validation, and mutants of it --------
+
+
+class Tuple(tuple):  # type: ignore[type-arg]
+    """Equal to, and hashed as, the tuple it holds: only its type tells."""
+
+
+class Int(int):
+    """An int subclass: full validation takes it (through ``__index__``)."""
+
+
+class Mask:
+    def __init__(self, shape: Any) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape, "typestr": "|b1", "data": (PTR, True), "version": 2,
+        }  # fmt: skip
+
+
+def _elements(values: tuple[int, ...], how: str) -> Any:
+    """``values`` with one element (or the container) replaced by an equal
+    value of another type."""
+    if how == "tuple subclass":
+        return Tuple(values)
+    if how == "list":
+        return list(values)
+    kinds = {"float": float, "bool": bool, "np.int64": np.int64, "np.int32": np.int32}
+    kinds["int subclass"] = Int
+    convert = kinds[how]
+    out = list(values)
+    out[-1] = convert(out[-1]) if how != "bool" else (out[-1] == 1 if out[-1] in (0, 1) else True)
+    return tuple(out)
+
+
+ELEMENT_MISSES = ["float", "bool", "np.int64", "np.int32", "int subclass", "tuple subclass", "list"]
+#: (field, value or rule): values equal or close to valid ones, of every kind
+#: the fast path must either refuse or treat exactly as full validation does
+NEAR_MISSES: list[tuple[str, Any]] = [
+    *[("shape", how) for how in ELEMENT_MISSES],
+    *[("strides", how) for how in ELEMENT_MISSES],
+    ("strides", "c strides"),
+    ("strides", "missing"),
+    ("ptr", float),
+    ("ptr", "bool"),
+    ("ptr", np.uint64),
+    ("ptr", np.int64),
+    ("ptr", Int),
+    ("ptr", 0),
+    ("ptr", -8),
+    ("ptr", 2**64 - 8),
+    ("ptr", 2**64),
+    ("readonly", 0),
+    ("readonly", 1),
+    ("readonly", np.bool_(True)),
+    ("readonly", None),
+    ("data", "list"),
+    ("data", "tuple subclass"),
+    ("data", "three"),
+    *[("version", v) for v in (0, 1, 2, 3, 4, 2.0, 3.0, True, np.int64(3), Int(3), "3", None)],
+    *[("stream", v) for v in (0, None, 1, 2, PTR, 2**64 - 1, 2**64, -1, True, 1.0)],
+    *[("stream", v) for v in (np.int64(PTR), Int(PTR), "missing")],
+    ("mask", None),
+    ("mask", "same shape"),
+    ("mask", "other shape"),
+    ("mask", "self"),
+    ("descr", None),
+    ("descr", "trivial"),
+    ("descr", "trivial tuple"),
+    ("descr", "trivial lists"),
+    ("descr", [("", "<f8")]),
+    ("descr", [("x", "<f4"), ("y", "<f4")]),
+    ("typestr", "other"),
+    ("typestr", "str subclass"),
+    ("typestr", b"<f4"),
+    ("extra", "key"),
+    ("cai", "dict-like"),
+    *[(field, "missing") for field in ("shape", "typestr", "data", "version")],
+]
+
+
+class StrSub(str):
+    pass
+
+
+def _near_miss(
+    cai: dict[str, Any], field: str, how: Any, owner: object, into: dict[str, Any] | None = None
+) -> Any:
+    """``into`` (default: a copy of the valid ``cai``) with one near miss of
+    ``cai``'s values applied."""
+    out = dict(cai) if into is None else into
+    shape: tuple[int, ...] = cai["shape"]
+    ptr, readonly = cai["data"]
+    itemsize = np.dtype(cai["typestr"]).itemsize
+    c_strides = _interface.c_strides(shape, itemsize)
+    if how == "missing":
+        out.pop(field, None)
+    elif field in ("shape", "strides"):
+        given = cai.get("strides") or c_strides
+        values = shape if field == "shape" else given
+        out[field] = c_strides if how == "c strides" else _elements(values or (1,), how)
+    elif field == "ptr":
+        bad = True if how == "bool" else how(ptr) if callable(how) else how
+        out["data"] = (bad, readonly)
+    elif field == "readonly":
+        out["data"] = (ptr, how)
+    elif field == "data":
+        data = cai["data"]
+        out["data"] = {"list": list(data), "tuple subclass": Tuple(data)}.get(how, (*data, 0))
+    elif field == "mask" and isinstance(how, str):
+        masks = {"same shape": Mask(shape), "other shape": Mask((*shape, 2)), "self": owner}
+        out["mask"] = masks[how]
+    elif field == "descr" and isinstance(how, str):
+        trivial = ("", cai["typestr"])
+        descrs = {"trivial": [trivial], "trivial tuple": (trivial,), "trivial lists": [[*trivial]]}
+        out["descr"] = descrs[how]
+    elif field == "typestr" and isinstance(how, str):
+        other = "<f8" if cai["typestr"] != "<f8" else "<i8"
+        out["typestr"] = other if how == "other" else StrSub(cai["typestr"])
+    elif field == "extra":
+        out["extra"] = object()
+    elif field == "cai":
+        return DictLike(out)
+    else:
+        out[field] = how
+    return out
+
+
+def _typed(view: ArrayView) -> Any:
+    """A view's fields with their types (np.bool_(True) == True, 3.0 == 3)."""
+    names = ("ptr", "shape", "strides", "dtype", "typestr", "readonly", "size", "nbytes")
+    values = [getattr(view, n) for n in (*names, "version", "stream")]
+    shapes = [tuple(map(type, view.shape)), tuple(map(type, view.strides))]
+    mask = None if view.mask is None else _typed(view.mask)
+    return (type(view), [(type(v), v) for v in values], shapes, mask, view.owner)
+
+
+Fast = Callable[[object, Any], "ArrayView | None"]
+
+
+def _disagreement(fast: Fast, valid: dict[str, Any], case: Any) -> str | None:
+    """How ``fast(obj, case)`` (a fast path: a view, or None for "ask full
+    validation"), run with ``valid``'s layout cached, departs from full
+    validation of ``case`` run with the cache empty; None if it does not."""
+    obj = Exports(None)
+    obj.cai = case
+    _interface._layouts.clear()
+    try:
+        oracle: Any = _interface._validate(obj, case, ())
+    except Exception as exc:  # noqa: BLE001 - any refusal must be the fast path's too
+        oracle = exc
+    _interface._layouts.clear()
+    parse(Exports(valid))  # any case equal to the valid dict finds its layout
+    try:
+        got = fast(obj, case)
+    except Exception as exc:  # noqa: BLE001 - a fast path never raises
+        return f"raised {exc!r}"
+    finally:
+        _interface._layouts.clear()
+    if got is None:
+        return None
+    if not isinstance(oracle, ArrayView):
+        return f"took what full validation refuses: {oracle!r}"
+    if _typed(got) != _typed(oracle):
+        return f"gave {got!r}, full validation {oracle!r}"
+    return None
+
+
+def _disagreements(fast: Fast, valid: dict[str, Any], corpus: list[tuple[str, Any]]) -> list[str]:
+    owner = Exports(None)
+    found = []
+    for field, how in corpus:
+        case = _near_miss(valid, field, how, owner)
+        problem = _disagreement(fast, valid, case)
+        if problem is not None:
+            found.append(f"{field} {how!r}: {problem}")
+    return found
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cupy_style(), st.lists(st.sampled_from(NEAR_MISSES), min_size=0, max_size=3))
+def test_near_misses_are_refused_or_agree(
+    cai: dict[str, Any], misses: list[tuple[str, Any]]
+) -> None:
+    """Model-based: a valid dict with up to three near misses applied (values
+    equal to valid ones but of another type, subclassed containers, null and
+    out-of-range pointers, versions 0-4, streams 0, None and past 2**64, masks,
+    descrs, missing and extra keys). The fast path either leaves the dict to
+    full validation or gives exactly its view, field types included; without
+    misses (and with data to point at) it takes the dict."""
+    owner = Exports(None)
+    case: Any = dict(cai)
+    for field, how in misses:
+        if isinstance(case, dict):
+            case = _near_miss(cai, field, how, owner, into=case)
+    assert _disagreement(_parse_common, cai, case) is None
+    if not misses and int(np.prod(cai["shape"])):
+        parse(Exports(cai))
+        assert _parse_common(Exports(None), dict(cai)) is not None
+        _interface._layouts.clear()
+
+
+#: a valid dict of each kind the mutants below need: 2-d, explicit (negative)
+#: strides, a stream, version 2
+VALID: list[dict[str, Any]] = [
+    {"shape": (4, 3), "typestr": "<f4", "data": (PTR, False), "strides": None,
+     "version": 3, "stream": 1},
+    {"shape": (4, 1), "typestr": "<f8", "data": (PTR + 64, True), "strides": (-8, 8),
+     "version": 3, "stream": PTR},
+    {"shape": (1,), "typestr": "|u1", "data": (PTR, False), "strides": (1,), "version": 2},
+]  # fmt: skip
+#: checks of the fast path, each removed in turn: (what it reads, what a
+#: mutant skipping it reads instead)
+MUTANTS: list[tuple[str, str]] = [
+    ("type(raw_shape) is not tuple", "False"),
+    ("type(version) is not int", "False"),
+    ("type(data) is not tuple", "False"),
+    ("or len(data) != 2", ""),
+    ("for n in raw_shape:\n        if type(n) is not int:",
+     "for n in raw_shape:\n        if False:"),
+    ("if type(raw_strides) is not tuple:", "if False:"),
+    ("for n in raw_strides:\n            if type(n) is not int:",
+     "for n in raw_strides:\n            if False:"),
+    ("type(ptr) is not int or ", ""),
+    ("type(readonly) is not bool or ", ""),
+    ("or not ptr_min <= ptr <= ptr_max", ""),
+    ("if version == _LATEST else None", "if True else None"),
+    ("type(stream) is not int or ", ""),
+    ("or not 0 < stream < _ADDRESS_LIMIT", ""),
+    ('if "mask" in cai and cai["mask"] is not None:', "if False:"),
+    ('if "descr" in cai:', "if False:"),
+    (" or descr != trivial_descr", ""),
+    ("if type(cai) is not dict:", "if False:"),
+]  # fmt: skip
+
+
+def _mutant(check: str, instead: str) -> Fast:
+    source = textwrap.dedent(inspect.getsource(_interface._parse_common))
+    assert source.count(check) == 1, check  # the check is there, once
+    namespace = dict(vars(_interface))
+    exec(source.replace(check, instead), namespace)  # noqa: S102 - a test's own mutant
+    mutant: Fast = namespace["_parse_common"]
+    return mutant
+
+
+def test_the_fast_path_agrees_on_every_near_miss() -> None:
+    """The control's baseline: the real fast path, on the mutants' corpus."""
+    for valid in VALID:
+        assert _disagreements(_parse_common, valid, NEAR_MISSES) == []
+
+
+@pytest.mark.parametrize(
+    ("check", "instead"), MUTANTS, ids=[" ".join(m[0].split())[:40] for m in MUTANTS]
+)
+def test_a_fast_path_skipping_a_check_is_caught(check: str, instead: str) -> None:
+    """Control for the tests above: a fast path that skips any one of its
+    checks (the exact-type checks included, since 4.0, True and np.int64(4)
+    equal 4) disagrees with full validation on some near miss of the corpus.
+    Not among them: ``type(typestr) is str`` and ``type(descr) is list``, as
+    full validation takes equal subclasses too; those checks only keep user
+    code (a subclass's ``__hash__`` or ``__eq__``) out of the fast path."""
+    mutant = _mutant(check, instead)
+    found = [d for valid in VALID for d in _disagreements(mutant, valid, NEAR_MISSES)]
+    assert found, f"a fast path without {check!r} went unnoticed"
+
+
+#: near misses that change nothing full validation gives for a dict whose
+#: layout is cached: the fast path must take them (CuPy's trivial descr, a
+#: stream or none, an absent strides entry, which the spec allows, keys it ignores)
+HARMLESS: list[tuple[str, Any]] = [
+    ("mask", None),
+    ("descr", None),
+    ("descr", "trivial"),
+    ("extra", "key"),
+    *[("stream", v) for v in (None, 1, 2, PTR, 2**64 - 1, "missing")],
+    ("strides", "missing"),
+]
+
+
+@pytest.mark.parametrize(("field", "how"), HARMLESS, ids=[f"{f} {h!r}" for f, h in HARMLESS])
+def test_the_fast_path_takes_what_changes_nothing(field: str, how: Any) -> None:
+    """Beside the refusals: what full validation treats as the cached dict is
+    taken by the fast path, with full validation's view (else a producer
+    sending it would pay full validation on every handoff)."""
+    valid = VALID[0]
+    case = _near_miss(valid, field, how, Exports(None))
+    assert _disagreement(_parse_common, valid, case) is None
+    parse(Exports(valid))
+    try:
+        assert _parse_common(Exports(None), case) is not None
+    finally:
+        _interface._layouts.clear()
