@@ -28,6 +28,7 @@ import pytest
 
 import cai_streams as cs
 from cai_streams import _hold, sim
+from cai_streams._events import RECLAIM_AT, pool_for
 
 from .device_ops import SimOps
 
@@ -140,11 +141,15 @@ def hold_from_an_owner_the_event_pool_lets_go() -> None:
         def __del__(self) -> None:
             cs.hold(self.memory, until=producer)
 
-    view = cs.consume_blocking(Owner(), stream=raw)
-    del view  # the owner now lives only in the pool, with the join's event
+    owner = Owner()
+    owner_gone = weakref.finalize(owner, lambda: None)
+    view = cs.consume_blocking(owner, stream=raw)
+    del view, owner  # the owner now lives only in the pool, with the join's event
     producer.synchronize()
-    for _ in range(8):  # acquires and releases reclaim the completed event
-        cs.hold(object(), until=producer)
+    pool = pool_for(backend, producer._key().device)
+    for _ in range(RECLAIM_AT):  # a batch of releases reclaims the completed event
+        pool.release(pool.acquire())
+    assert not owner_gone.alive  # (its finalizer's hold took an event from that pool)
     assert len(after) == 1
     assert _released_soon(after[0])
     backend.synchronize_stream(raw)
