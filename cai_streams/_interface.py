@@ -440,23 +440,29 @@ def _exact_ints(values: object) -> bool:
 
 
 def _remember(
-    cai: Mapping[str, Any],
     shape: tuple[int, ...],
     strides: tuple[int, ...],
     dtype: np.dtype[Any],
     size: int,
     version: int,
+    *,
+    raw_shape: Any,
+    raw_strides: Any,
+    typestr: Any,
 ) -> None:
-    """After full validation: cache a layout the fast path may take (exact ints only)."""
-    raw_shape, raw_strides, typestr = cai["shape"], cai.get("strides"), cai["typestr"]
+    """After full validation: cache a layout the fast path may take (exact ints
+    only). Its key is what validation read (``raw_*``, ``typestr``), never the
+    dict read again: a mapping may answer differently the second time, and
+    user code validation ran (a descr's ``__eq__``) may have edited the dict."""
     if size == 0 or len(_layouts) >= 1024 or type(typestr) is not str:
         return
     if not _exact_ints(raw_shape) or not (raw_strides is None or _exact_ints(raw_strides)):
         return
     lo, hi = extent(0, shape, strides, dtype.itemsize)
     nbytes = size * dtype.itemsize
-    # the pointers that keep every byte in [1, 2**64): one chained comparison
-    ptr_range = (max(1, -lo), _ADDRESS_LIMIT - hi)
+    # the pointers that keep every byte in [1, 2**64), and the pointer itself
+    # below 2**64 (a zero-size item type touches no byte): one chained comparison
+    ptr_range = (max(1, -lo), min(_ADDRESS_LIMIT - 1, _ADDRESS_LIMIT - hi))
     key = (raw_shape, typestr, raw_strides, version)
     _layouts[key] = (shape, strides, dtype, size, nbytes, *ptr_range, [("", typestr)])
 
@@ -562,12 +568,13 @@ def _validate(obj: object, cai: Any, masking: tuple[int, ...]) -> ArrayView:
     if version > _LATEST:
         raise _bad("version", version, f"0 to {_LATEST} (newer versions are not supported)")
 
-    shape = cai["shape"]
+    shape = raw_shape = cai["shape"]
     if type(shape) is not tuple or not all(_is_int(n) and n >= 0 for n in shape):
         raise _bad("shape", shape, "a tuple of non-negative ints")
     shape = tuple(int(n) for n in shape)
 
-    dtype = _dtype(cai["typestr"], cai.get("descr"))
+    typestr, descr = cai["typestr"], cai.get("descr")
+    dtype = _dtype(typestr, descr)
     itemsize = dtype.itemsize
     size = 1
     for n in shape:
@@ -638,15 +645,23 @@ def _validate(obj: object, cai: Any, masking: tuple[int, ...]) -> ArrayView:
                     "mask", raw_mask, f"a mask of the array's shape {shape}, not {mask.shape}"
                 )
 
-    descr = cai.get("descr")
-    if mask is None and 2 <= version and (descr is None or descr == [("", cai["typestr"])]):
-        _remember(cai, shape, strides, dtype, size, version)
+    if mask is None and 2 <= version and (descr is None or descr == [("", typestr)]):
+        _remember(
+            shape,
+            strides,
+            dtype,
+            size,
+            version,
+            raw_shape=raw_shape,
+            raw_strides=raw_strides,
+            typestr=typestr,
+        )
     return _make(
         ptr,
         shape,
         strides,
         dtype,
-        cai["typestr"],
+        typestr,
         bool(readonly),
         size,
         size * itemsize,

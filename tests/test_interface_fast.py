@@ -528,3 +528,162 @@ def test_the_fast_path_takes_what_changes_nothing(field: str, how: Any) -> None:
         assert _parse_common(Exports(None), case) is not None
     finally:
         _interface._layouts.clear()
+
+
+# --- the cache itself: keyed by what validation read, and only user-code-free --
+
+
+class _Given:
+    """Exposes ``cai`` itself (``Exports`` copies a dict, which would drop a
+    subclass's ``__getitem__``)."""
+
+    def __init__(self, cai: Any) -> None:
+        self.__cuda_array_interface__ = cai
+
+
+class _ShapeOnce(dict[str, Any]):
+    """A dict subclass (full validation takes it as a mapping) whose "shape"
+    is a large one when first read, and (4, 3) after."""
+
+    def __init__(self, cai: dict[str, Any]) -> None:
+        super().__init__(cai)
+        self.reads = 0
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "shape":
+            self.reads += 1
+            return (1 << 20, 1 << 10) if self.reads == 1 else (4, 3)
+        return super().__getitem__(key)
+
+
+class _EditsOnCompare(tuple[str, str]):
+    """A descr element equal to ``("", "<f4")`` whose comparison edits ``cai``
+    (user code that full validation runs)."""
+
+    cai: dict[str, Any] = {}
+
+    def __eq__(self, other: object) -> bool:
+        self.cai["shape"] = (4, 3)
+        return tuple.__eq__(self, other)
+
+    __hash__ = tuple.__hash__
+
+
+@pytest.mark.parametrize("how", ["a mapping read twice", "a dict edited by its descr"])
+def test_a_layout_is_cached_under_what_validation_read(how: str) -> None:
+    """A mapping that answers differently the second time, or a dict that user
+    code run by validation edits, must not cache the layout it validated under
+    another key: an honest dict of that key would get a view of the other
+    layout. Control: the honest dict with the cache empty."""
+    honest = {"shape": (4, 3), "typestr": "<f4", "data": (PTR, False), "version": 3}
+    _interface._layouts.clear()
+    expected = parse(Exports(dict(honest)))  # (full validation: nothing cached yet)
+    _interface._layouts.clear()
+    cai: dict[str, Any]
+    if how == "a mapping read twice":
+        cai = _ShapeOnce({**honest, "shape": None})
+    else:
+        cai = {**honest, "shape": (1 << 20, 1 << 10), "descr": [_EditsOnCompare(("", "<f4"))]}
+        _EditsOnCompare.cai = cai
+    first = parse(_Given(cai))
+    assert first.shape == (1 << 20, 1 << 10)  # what validation saw, and gave
+    got = parse(Exports(dict(honest)))
+    assert (got.shape, got.strides, got.nbytes) == (expected.shape, expected.strides, 48)
+
+
+@pytest.mark.parametrize("strides", [None, (-8,)])
+def test_a_zero_size_item_type_keeps_the_pointer_below_2_64(strides: Any) -> None:
+    """An item type of no bytes (``|S0``) touches no byte, so the layout's own
+    extent allows any pointer; the pointer itself must still be below 2**64,
+    cached or not."""
+    _interface._layouts.clear()
+
+    def cai(ptr: int) -> dict[str, Any]:
+        return {"shape": (2,), "typestr": "|S0", "data": (ptr, False), "version": 3,
+                "strides": strides}  # fmt: skip
+
+    with pytest.raises(InterfaceError, match="below 2\\*\\*64"):
+        parse(Exports(cai(2**64)))  # control: full validation refuses it
+    assert parse(Exports(cai(0x1000))).ptr == 0x1000  # its layout is cached now
+    assert _interface._layouts
+    with pytest.raises(InterfaceError, match="below 2\\*\\*64"):
+        parse(Exports(cai(2**64)))
+    assert parse(Exports(cai(2**64 - 1))).ptr == 2**64 - 1
+
+
+def test_the_fast_path_runs_no_user_code() -> None:
+    """Subclasses of str, tuple, int and list in every field of a dict whose
+    layout is cached: the fast path refuses them without calling their
+    ``__hash__``, ``__eq__``, ``__index__``, ``__len__`` or ``__iter__`` (full
+    validation may, after). Control: the same classes do count when called."""
+    calls: list[str] = []
+
+    class S(str):
+        def __hash__(self) -> int:
+            calls.append("S.__hash__")
+            return str.__hash__(self)
+
+        def __eq__(self, other: object) -> bool:
+            calls.append("S.__eq__")
+            return str.__eq__(self, other)
+
+    class T(tuple[Any, ...]):
+        def __hash__(self) -> int:
+            calls.append("T.__hash__")
+            return tuple.__hash__(self)
+
+        def __eq__(self, other: object) -> bool:
+            calls.append("T.__eq__")
+            return tuple.__eq__(self, other)
+
+        def __len__(self) -> int:
+            calls.append("T.__len__")
+            return tuple.__len__(self)
+
+        def __iter__(self) -> Any:
+            calls.append("T.__iter__")
+            return tuple.__iter__(self)
+
+    class N(int):
+        def __hash__(self) -> int:
+            calls.append("N.__hash__")
+            return int.__hash__(self)
+
+        def __eq__(self, other: object) -> bool:
+            calls.append("N.__eq__")
+            return int.__eq__(self, other)
+
+        def __index__(self) -> int:
+            calls.append("N.__index__")
+            return int(self)
+
+    class L(list[Any]):
+        def __eq__(self, other: object) -> bool:
+            calls.append("L.__eq__")
+            return list.__eq__(self, other)
+
+        def __ne__(self, other: object) -> bool:
+            calls.append("L.__ne__")
+            return list.__ne__(self, other)
+
+    good = {"shape": (4, 3), "typestr": "<f4", "data": (PTR, False), "strides": None,
+            "version": 3}  # fmt: skip
+    cases = [
+        {**good, "typestr": S("<f4")},
+        {**good, "shape": T((4, 3))},
+        {**good, "shape": (4, N(3))},
+        {**good, "strides": T((12, 4))},
+        {**good, "strides": (12, N(4))},
+        {**good, "version": N(3)},
+        {**good, "data": T((PTR, False))},
+        {**good, "data": (N(PTR), False)},
+        {**good, "stream": N(5)},
+        {**good, "descr": L([("", "<f4")])},
+    ]
+    _interface._layouts.clear()
+    parse(Exports(dict(good)))  # cached
+    for cai in cases:
+        assert _parse_common(Exports(cai), cai) is None, cai
+    assert calls == []
+    hash(S("x")), T((1,)) == (1,), len(T(())), N(1) == 1  # noqa: B015 - the control
+    assert calls == ["S.__hash__", "T.__eq__", "T.__len__", "N.__eq__"]
