@@ -150,8 +150,8 @@ class EventPool:
             if self._released >= RECLAIM_AT:  # before this one: it is likely pending
                 self._released = 0
                 # every completed event up to the first found pending (a
-                # backlog, after a burst, at once), and a batch of captured
-                # records (each costs a capture-state ask)
+                # backlog, after a burst, at once), and the captured records
+                # of a batch's worth of streams (a capture-state ask each)
                 waiting = len(self._draining) + len(self._captured)
                 self._reclaim(waiting, gone, capture_asks=RECLAIM_AT)
             if mark is not None and mark.captured:
@@ -197,15 +197,22 @@ class EventPool:
         misses: int = 1,
         capture_asks: int | None = None,
     ) -> None:
-        """Look at up to ``limit`` released events (of those recorded in a
-        capture, up to ``capture_asks`` if given), until ``misses`` were found
-        pending. What completed events kept alive goes to ``gone``, for the
-        caller to drop once the lock is released: a finalizer it runs may call
-        the library."""
+        """Look at up to ``limit`` released events, until ``misses`` were found
+        pending; of those recorded in a capture, as many as the streams whose
+        capture state is asked allow (each stream once a call, and at most
+        ``capture_asks`` streams if given). What completed events kept alive
+        goes to ``gone``, for the caller to drop once the lock is released: a
+        finalizer it runs may call the library."""
         asks = limit if capture_asks is None else min(limit, capture_asks)
-        for _ in range(min(asks, len(self._captured))):
+        phases: dict[StreamId, StreamPhase] = {}
+        for _ in range(min(limit, len(self._captured))):
             event, keepalive, key = self._captured[0]
-            phase = _capture_guard.stream_phase(self._backend, key)
+            phase = phases.get(key)
+            if phase is None:
+                if asks == 0:
+                    break
+                asks -= 1
+                phase = phases[key] = _capture_guard.stream_phase(self._backend, key)
             if phase is StreamPhase.CAPTURING or phase is StreamPhase.UNNAMED:
                 self._captured.rotate(-1)  # its capture is under way: never query it
                 continue

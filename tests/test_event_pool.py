@@ -10,7 +10,7 @@ import pytest
 
 import cai_streams as cs
 from cai_streams._backend import CaptureStatus
-from cai_streams._events import RECLAIM_AT, EventPool, Mark
+from cai_streams._events import ACQUIRE_MISSES, RECLAIM_AT, EventPool, Mark
 
 from .device_ops import DeviceOps, Latch
 
@@ -222,40 +222,73 @@ def test_an_acquire_with_nothing_free_reclaims_past_a_pending_event(
     idle.close()
 
 
-def test_a_batch_asks_about_at_most_a_batch_of_captured_records(
+def test_an_acquire_with_nothing_free_stops_at_its_second_pending_event(
+    held: tuple[cs.Stream, Latch],
+) -> None:
+    """The host ahead of the GPU: every released event pending, nothing free.
+    An acquire asks about ACQUIRE_MISSES of them, then makes an event, rather
+    than query a batch's worth each time (what the host running ahead costs)."""
+    slow, _ = held
+    backend = cs.current_backend()
+    pool = EventPool(backend)
+    events = [pool.acquire() for _ in range(3 * RECLAIM_AT)]
+    for event in events:
+        backend.record(event, slow.handle)
+        pool.release(event)
+    with _Queries(backend) as queries:
+        made = pool.created
+        pool.acquire()
+    assert (queries.pending, queries.done) == (ACQUIRE_MISSES, 0)
+    assert pool.created == made + 1
+    assert ACQUIRE_MISSES < RECLAIM_AT  # (else the bound above says nothing)
+
+
+def test_a_batch_asks_each_streams_capture_state_once(
     backend: cs.Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Many events recorded in a capture still under way wait for it to end:
-    each batch asks about RECLAIM_AT of them (a capture-state ask each), not
-    all. Control: a full reclaim asks about every one."""
+    """Events recorded in captures still under way, several on each of more
+    streams than a batch asks about: a batch asks at most RECLAIM_AT streams'
+    capture state, each once; a full reclaim asks every stream once, never once
+    per record. Once the captures end, a few batches let go of every record."""
     if backend.name != "sim":
         pytest.skip("counts the simulator's capture-state asks")
-    s = cs.Stream()
+    streams = [cs.Stream() for _ in range(2 * RECLAIM_AT)]
+    per_stream = 5
     pool = EventPool(backend)
-    n = 10 * RECLAIM_AT
-    events = [pool.acquire() for _ in range(n + RECLAIM_AT)]
-    asks = 0
+    events = [pool.acquire() for _ in range(len(streams) * per_stream)]
+    for spare in [pool.acquire() for _ in range(4 * RECLAIM_AT)]:
+        pool.reuse(spare)  # free ones: no acquire below needs to reclaim
+    asked: list[int] = []
     real = backend.capture_status
 
     def counted(handle: int) -> CaptureStatus:
-        nonlocal asks
-        asks += 1
+        asked.append(handle)
         return real(handle)
 
-    s.begin_capture("relaxed")
+    for s in streams:
+        s.begin_capture("relaxed")
     try:
-        for i, event in enumerate(events[:n]):
-            backend.record(event, s.handle)
-            pool.release(event, None, Mark(s._key(), i, captured=True))
+        records = iter(events)
+        for s in streams:
+            for i in range(per_stream):
+                event = next(records)
+                backend.record(event, s.handle)
+                pool.release(event, None, Mark(s._key(), i, captured=True))
+        assert pool.in_flight == len(events)  # all under way: none let go
         with monkeypatch.context() as mp:
             mp.setattr(backend, "capture_status", counted)
-            for event in events[n:]:  # one batch more
-                pool.release(event)
-            assert 1 <= asks <= RECLAIM_AT
-            asks = 0
+            for _ in range(RECLAIM_AT):  # one batch
+                pool.release(pool.acquire())
+            assert 1 <= len(asked) <= RECLAIM_AT
+            assert len(set(asked)) == len(asked)
+            asked.clear()
             pool.reclaim()
-            assert asks >= n  # control: every captured record asked about
+            assert sorted(asked) == sorted(s.handle for s in streams)
     finally:
-        s.end_capture().close()
-        pool.reclaim()
-    s.close()
+        for s in streams:
+            s.end_capture().close()
+    for _ in range(3 * RECLAIM_AT):  # three batches (a stream's records may straddle two)
+        pool.release(pool.acquire())
+    assert pool.in_flight < RECLAIM_AT  # (those released since the last batch)
+    for s in streams:
+        s.close()
