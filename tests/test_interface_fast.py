@@ -611,60 +611,32 @@ def test_a_zero_size_item_type_keeps_the_pointer_below_2_64(strides: Any) -> Non
     assert parse(Exports(cai(2**64 - 1))).ptr == 2**64 - 1
 
 
+def _counting(base: type[Any], calls: list[str], *names: str) -> Any:
+    """A subclass of ``base`` whose methods ``names`` note each call in ``calls``
+    (as ``"base.name"``), then do what ``base``'s do."""
+
+    def noting(name: str) -> Callable[..., Any]:
+        real = getattr(base, name)
+
+        def method(self: Any, *args: Any) -> Any:
+            calls.append(f"{base.__name__}.{name}")
+            return real(self, *args)
+
+        return method
+
+    return type(f"Counting{base.__name__}", (base,), {name: noting(name) for name in names})
+
+
 def test_the_fast_path_runs_no_user_code() -> None:
     """Subclasses of str, tuple, int and list in every field of a dict whose
     layout is cached: the fast path refuses them without calling their
     ``__hash__``, ``__eq__``, ``__index__``, ``__len__`` or ``__iter__`` (full
     validation may, after). Control: the same classes do count when called."""
     calls: list[str] = []
-
-    class S(str):
-        def __hash__(self) -> int:
-            calls.append("S.__hash__")
-            return str.__hash__(self)
-
-        def __eq__(self, other: object) -> bool:
-            calls.append("S.__eq__")
-            return str.__eq__(self, other)
-
-    class T(tuple[Any, ...]):
-        def __hash__(self) -> int:
-            calls.append("T.__hash__")
-            return tuple.__hash__(self)
-
-        def __eq__(self, other: object) -> bool:
-            calls.append("T.__eq__")
-            return tuple.__eq__(self, other)
-
-        def __len__(self) -> int:
-            calls.append("T.__len__")
-            return tuple.__len__(self)
-
-        def __iter__(self) -> Any:
-            calls.append("T.__iter__")
-            return tuple.__iter__(self)
-
-    class N(int):
-        def __hash__(self) -> int:
-            calls.append("N.__hash__")
-            return int.__hash__(self)
-
-        def __eq__(self, other: object) -> bool:
-            calls.append("N.__eq__")
-            return int.__eq__(self, other)
-
-        def __index__(self) -> int:
-            calls.append("N.__index__")
-            return int(self)
-
-    class L(list[Any]):
-        def __eq__(self, other: object) -> bool:
-            calls.append("L.__eq__")
-            return list.__eq__(self, other)
-
-        def __ne__(self, other: object) -> bool:
-            calls.append("L.__ne__")
-            return list.__ne__(self, other)
+    S = _counting(str, calls, "__hash__", "__eq__")
+    T = _counting(tuple, calls, "__hash__", "__eq__", "__len__", "__iter__")
+    N = _counting(int, calls, "__hash__", "__eq__", "__index__")
+    L = _counting(list, calls, "__eq__", "__ne__")
 
     good = {"shape": (4, 3), "typestr": "<f4", "data": (PTR, False), "strides": None,
             "version": 3}  # fmt: skip
@@ -686,4 +658,4 @@ def test_the_fast_path_runs_no_user_code() -> None:
         assert _parse_common(Exports(cai), cai) is None, cai
     assert calls == []
     hash(S("x")), T((1,)) == (1,), len(T(())), N(1) == 1  # noqa: B015 - the control
-    assert calls == ["S.__hash__", "T.__eq__", "T.__len__", "N.__eq__"]
+    assert calls == ["str.__hash__", "tuple.__eq__", "tuple.__len__", "int.__eq__"]
