@@ -43,7 +43,18 @@ class OpenBlock:
     enqueued so far (an event recorded on its stream now).
     """
 
-    __slots__ = ("covered", "disjoint", "done", "group", "key", "kind", "name", "owner", "stream")
+    __slots__ = (
+        "began_capturing",
+        "covered",
+        "disjoint",
+        "done",
+        "group",
+        "key",
+        "kind",
+        "name",
+        "owner",
+        "stream",
+    )
 
     def __init__(
         self,
@@ -55,8 +66,13 @@ class OpenBlock:
         covered: list[Access],
         group: int,
         name: str = "writing()/reading()",
+        *,
+        began_capturing: bool = False,
     ) -> None:
         self.name = name  # what opened it, for the messages
+        #: its stream was capturing when it opened: a capture still under way
+        #: when it ends began before the block's work, or in it (``_pending``)
+        self.began_capturing = began_capturing
         self.kind = kind
         self.disjoint = disjoint
         self.group = group

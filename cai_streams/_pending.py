@@ -78,6 +78,7 @@ class PendingWork:
         "layout",
         "lock",
         "reads",
+        "unfenced",
         "wrapper",
         "writes",
     )
@@ -116,6 +117,11 @@ class PendingWork:
         self.writes: list[Access] = []
         self.reads: list[Access] = []
         self.blocks: list[OpenBlock] = []
+        #: blocks that ended inside a graph capture begun on their stream while
+        #: they were open: their record went into the capture, and their work
+        #: from before the capture began is recorded once the capture is over
+        #: (``_fence``); until then the captured record stands for all of it
+        self.unfenced: list[OpenBlock] = []
         self.wrapper: weakref.ref[Any] | None = None
         #: disjoint writes since the last read or whole-array write: a group.
         #: They are not ordered among them (each writes its own part); every
@@ -203,16 +209,47 @@ class PendingWork:
 
     def _note(self, own: Stream | None) -> None:
         """Work the buffer's own interface reported pending, recorded now (a
-        bare handle may be gone, or another thread's, by a later record)."""
+        bare handle may be gone, or another thread's, by a later record); and
+        the work of blocks whose capture has ended since (``_fence``)."""
+        if self.unfenced:
+            self._fence()
         if own is not None and not own.closed:
             self._add(Access.recorded(self, Kind.WRITE, own, own._key()))
 
+    def _fence(self) -> None:
+        """A block whose stream began capturing while it was open, and was still
+        capturing when it ended, has only a captured record: its work enqueued
+        before the capture began is ordinary, pending on the stream, and no
+        record of it could be made. Once that capture is over, an ordinary
+        record now covers it (and what followed); until then consumers see the
+        captured record (a host wait raises CaptureError). A stream closed
+        since can take no record: nothing more can be waited for there."""
+        waiting: list[OpenBlock] = []
+        for block in self.unfenced:
+            if block.stream.closed:
+                continue
+            if _capture_guard.capturing(self.backend, block.key) is not False:
+                waiting.append(block)  # (None: another thread's handle 2; it asks)
+                continue
+            new = Access.recorded(self, block.kind, block.stream, block.key, block.disjoint)
+            new.group = block.group
+            self._add(new)
+        self.unfenced = waiting
+
     def order_after(
-        self, stream: Stream, key: StreamId, accesses: list[Access], *, join: bool, what: str
+        self,
+        stream: Stream,
+        key: StreamId,
+        accesses: list[Access],
+        *,
+        join: bool,
+        what: str,
+        capturing: bool | None = None,
     ) -> None:
         """Make ``stream`` wait for each access on another stream; completed
         ones are dropped instead. Only enqueues. A wait that a graph capture
-        forbids raises CaptureError before anything is enqueued."""
+        forbids raises CaptureError before anything is enqueued.
+        ``capturing``: whether ``stream`` captures, if the caller just asked."""
         handle = stream.handle
         waited = elided = 0
         accesses = [
@@ -222,7 +259,8 @@ class PendingWork:
         ]
         needless: list[Access] = []
         if accesses:  # (the capture check costs a driver call: only when there is work)
-            capturing = _capture_guard.capturing(self.backend, key) is True
+            if capturing is None:
+                capturing = _capture_guard.capturing(self.backend, key) is True
             needless = [
                 a
                 for a in accesses
@@ -294,7 +332,10 @@ class PendingWork:
             else:
                 conflicting = list(self.writes)
             what = "writing()" if kind is Kind.WRITE else "reading()"
-            self.order_after(stream, key, conflicting, join=False, what=what)
+            # asked once, for the ordering and for the block (see leave): one
+            # driver call more when there is nothing to order after
+            began = _capture_guard.capturing(self.backend, key) is True
+            self.order_after(stream, key, conflicting, join=False, what=what, capturing=began)
             covered: list[Access] = []
             if kind is Kind.WRITE and not disjoint:
                 covered = [a for a in conflicting if a.state is not AccessState.RELEASED]
@@ -307,7 +348,9 @@ class PendingWork:
                     writes=rng if kind is Kind.WRITE else (),
                     what=f"{'writing' if kind is Kind.WRITE else 'reading'}() block",
                 )
-            block = OpenBlock(kind, disjoint, stream, key, me, covered, group)
+            block = OpenBlock(
+                kind, disjoint, stream, key, me, covered, group, began_capturing=began
+            )
             self.blocks.append(block)
             return block
 
@@ -321,6 +364,9 @@ class PendingWork:
                     if a.state is not AccessState.RELEASED:
                         self._drop(a)
                 self._add(new)
+                if new.mark is not None and new.mark.captured and not block.began_capturing:
+                    block.covered = []  # (released: nothing of them is needed any more)
+                    self.unfenced.append(block)  # a capture began in it (see _fence)
             finally:
                 self.blocks.remove(block)
                 block.done.set()
@@ -427,19 +473,21 @@ class PendingWork:
         with self._locked():
             for a in [*self.writes, *self.reads]:
                 a.release()
-            self.writes, self.reads = [], []
+            self.writes, self.reads, self.unfenced = [], [], []
 
     def settle(self) -> bool:
         """Record what is lazy and forget what is complete; True once nothing is pending."""
         with self._locked():
             if self.blocks:
                 return False
+            if self.unfenced:
+                self._fence()
             for a in [*self.writes, *self.reads]:
                 if a.state is AccessState.LAZY:
                     a.materialize()
             self._drop_complete(self.writes)
             self._drop_complete(self.reads)
-            return not self.writes and not self.reads
+            return not self.writes and not self.reads and not self.unfenced
 
     def pending_streams(self) -> dict[str, list[int]]:
         with self._locked():

@@ -1,0 +1,140 @@
+"""A graph capture that begins on a stream while a ``writing()`` block on it is
+open, and is still under way when the block ends: the block's record goes into
+the capture and stands for the captured work only. Its work from before the
+capture began is ordinary and pending on the stream; once the capture is over,
+an ordinary record covers it (``PendingWork._fence``), so consumers wait for it.
+
+Each test runs beside a control with that record disabled (the library before
+it), which shows the wrong answer: a host consume that returns while the block's
+fill is still held by a latch, a consumer stream that copies before the fill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams._pending import PendingWork
+
+from .device_ops import DeviceOps
+
+
+@pytest.fixture(autouse=True)
+def _unsanitized() -> Iterator[None]:
+    with cs.sanitize(False):  # it does not model graphs (see test_capture.py)
+        yield
+
+
+def _as_before(mp: pytest.MonkeyPatch) -> None:
+    """The control: no ordinary record once the capture is over."""
+    mp.setattr(PendingWork, "_fence", lambda self: None)
+
+
+def _filled_then_captured(ops: DeviceOps, s: cs.Stream, t: cs.TrackedArray) -> tuple[Any, Any]:
+    """In a ``writing(s)`` block: a fill of 7 held by a latch (ordinary), then a
+    capture begins on ``s`` and adds 1 (captured). The block ends while the
+    capture is under way; the capture ends after it. Returns the latch and the
+    graph (to close)."""
+    latch = ops.latch(s)
+    with t.writing(s):
+        ops.fill(s, t.array, 7.0)
+        s.begin_capture("relaxed")
+        ops.add(s, t.array, 1.0)
+    return latch, s.end_capture()
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["fenced", "control"])
+def test_a_host_consume_waits_for_the_blocks_work_from_before_the_capture(
+    ops: DeviceOps, control: bool
+) -> None:
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    latch, graph = _filled_then_captured(ops, s, t)
+    with pytest.MonkeyPatch.context() as mp:
+        if control:
+            _as_before(mp)
+        try:
+            cs.consume_blocking(t, timeout=0.2)
+            returned = True
+        except TimeoutError:
+            returned = False
+        seen = ops.to_host(t.array)
+    latch.release()
+    s.synchronize()
+    graph.close()
+    if control:  # the captured record taken for done: returned under the held fill
+        assert returned and (seen == 0.0).all()
+    else:
+        assert not returned
+        cs.consume_blocking(t, timeout=5)
+        assert (ops.to_host(t.array) == 7.0).all()  # (the graph never ran: no +1)
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["fenced", "control"])
+def test_a_consumer_stream_is_ordered_after_the_blocks_work_from_before_the_capture(
+    ops: DeviceOps, control: bool
+) -> None:
+    s, consumer = cs.Stream(), cs.Stream()
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    out = ops.array(np.zeros(64, np.float32))
+    latch, graph = _filled_then_captured(ops, s, t)
+    with pytest.MonkeyPatch.context() as mp:
+        if control:
+            _as_before(mp)
+        cs.consume_blocking(t, stream=consumer)
+        ops.copy(consumer, out, t.array)  # ordered after the fill only by the join
+    if control:  # no join: the copy runs (and reads) while the fill still waits
+        consumer.synchronize()
+    latch.release()
+    consumer.synchronize()
+    s.synchronize()
+    graph.close()
+    assert (ops.to_host(out) == (0.0 if control else 7.0)).all()
+
+
+def test_while_the_capture_is_under_way_a_host_consume_raises_and_keeps_it(
+    ops: DeviceOps,
+) -> None:
+    """Nothing ordinary can be recorded on the stream yet: the host cannot wait
+    (CaptureError, as for any captured write), and the capture survives."""
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    latch = ops.latch(s)
+    with t.writing(s):
+        ops.fill(s, t.array, 7.0)
+        s.begin_capture("relaxed")
+        ops.add(s, t.array, 1.0)
+    try:
+        with pytest.raises(cs.CaptureError):
+            cs.consume_blocking(t, timeout=0.2)
+        assert s.backend.capture_status(s.handle) == "active"
+    finally:
+        s.end_capture().close()
+        latch.release()
+    cs.consume_blocking(t, timeout=5)  # over: the fill is waited for, then taken
+    assert (ops.to_host(t.array) == 7.0).all()
+    s.synchronize()
+
+
+def test_a_block_opened_in_the_capture_needs_no_ordinary_record(ops: DeviceOps) -> None:
+    """A block whose stream was capturing when it opened holds captured work
+    only: nothing is recorded on the stream once the capture is over (its
+    write is the capture's), and a host consume after it returns at once."""
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    latch = ops.latch(s)
+    ops.fill(s, t.array, 7.0)  # ordinary, held: not part of any block
+    s.begin_capture("relaxed")
+    with t.writing(s):
+        ops.add(s, t.array, 1.0)
+    s.end_capture().close()
+    try:
+        cs.consume_blocking(t, timeout=1)  # (the held fill was never the library's to know)
+        assert t.pending_streams()["writes"] == []
+    finally:
+        latch.release()
+        s.synchronize()
