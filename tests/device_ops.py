@@ -366,3 +366,13 @@ class _CudaLatch:  # pragma: no cover - runs in the GPU tier only
 
 def ops_for(backend_name: str) -> DeviceOps:
     return SimOps() if backend_name == "sim" else CupyOps()
+
+
+def consume_returns(obj: object, timeout: float) -> bool:
+    """Whether ``cs.consume_blocking(obj, timeout=timeout)`` returned (False: it
+    timed out, its producer's work still pending)."""
+    try:
+        cs.consume_blocking(obj, timeout=timeout)
+    except TimeoutError:
+        return False
+    return True
