@@ -71,6 +71,7 @@ from ._dlpack_import import (
 )
 from ._events import EventPool, Mark, pool_for, record
 from ._hold import ViewLease, hold_view_owner, view_done
+from ._hold_table import tick as release_holds
 from ._identity import stream_id_now
 from ._interface import ArrayView, byte_range, parse, parse_read
 from ._pending import PendingWork
@@ -79,7 +80,7 @@ from ._running import checkpoint
 from ._scheduler import Scheduler, any_scheduler, scheduler_for
 from ._stream import Stream, as_stream
 from ._tracebacks import release_frames
-from ._tracked import BLOCK_TIMEOUT, lookup
+from ._tracked import BLOCK_TIMEOUT, TrackedArray, lookup
 
 __all__ = ["Mode", "consume", "consume_all", "consume_blocking", "consuming", "plan"]
 
@@ -195,9 +196,15 @@ class _Tracked(_Handoff):
 class _TrackedHost(_Tracked):
     mode = Mode.TRACKED_HOST
     accesses: list[Access] | None = None
+    #: what the buffer's own interface named pending, if ``_tracked_host``
+    #: read it already (the first ``begin`` takes it; a retry reads it again)
+    own: Stream | None | Unread = Unread.UNREAD
 
     def begin(self, me: Owner) -> Blocked | None:
-        got = self.work.try_pin_writes(me)
+        own, self.own = self.own, Unread.UNREAD
+        if own is Unread.UNREAD:
+            own = self.work.own_stream()
+        got = self.work.try_pin_writes(me, own)
         if isinstance(got, Blocked):
             return got
         self.accesses = got
@@ -417,6 +424,28 @@ def _handoff(
     return _ROWS[mode](any_scheduler(backend), view, s)
 
 
+def _tracked_host(t: TrackedArray, sync: object, backend: Backend) -> ArrayView | _Handoff:
+    """The TRACKED_HOST row of ``t`` (``stream=None``), its common case first:
+    when the buffer's own interface names no busy stream and nothing is open,
+    pending or left to fence, the consume is complete, and the view comes
+    back at once, with no handoff built and no owner asked. Otherwise the row,
+    given the interface already read (read once). Never blocks: reads the
+    interface (user code) and takes the array's lock."""
+    work = t._work
+    # (the sanitizer declares the host's read in the row; another backend's
+    # array goes through the row's own lookup, whatever it makes of it)
+    if not _sync_flag(sync) or _observe.active or work.backend is not backend:
+        return _handoff(t, None, sync, backend)
+    release_holds()  # (the lookup's bounded step)
+    own = work.own_stream()
+    view = t.view
+    if own is None and view.stream is None and work.idle_for_host():
+        return view
+    row = _TrackedHost(scheduler_for(backend, work.device), view, None, work)
+    row.own = own
+    return row
+
+
 def _dlpack_handoff(obj: object, s: Stream | None, synced: bool, backend: Backend) -> _Handoff:
     sched = scheduler_for(backend, cuda_device_of(obj))  # the export stream of its device
     mode = plan(tracked=False, producer_stream=None, stream=s, synced=synced, dlpack=True)
@@ -552,7 +581,15 @@ async def consume(
     before the handoff raises :class:`~cai_streams.CudaError`.
     """
     check_timeout(timeout)
-    (handoff,) = _handoffs([obj], stream, sync, protocol)
+    if stream is None and type(obj) is TrackedArray:
+        check_protocol(protocol)
+        got = _tracked_host(obj, sync, current_backend())
+        if isinstance(got, ArrayView):  # complete: the one cancellation point
+            await checkpoint()
+            return got
+        handoff = got
+    else:
+        (handoff,) = _handoffs([obj], stream, sync, protocol)
     try:
         await _run([handoff], timeout)
     except BaseException as exc:  # a kept traceback must not keep the view's owner
@@ -607,7 +644,13 @@ def consume_blocking(
     """
     check_timeout(timeout)
     check_protocol(protocol)
-    handoff = _handoff(obj, stream, sync, current_backend(), protocol)
+    if stream is None and type(obj) is TrackedArray:
+        got = _tracked_host(obj, sync, current_backend())
+        if isinstance(got, ArrayView):
+            return got  # complete: nothing was waited for or pinned
+        handoff = got
+    else:
+        handoff = _handoff(obj, stream, sync, current_backend(), protocol)
     limit = BLOCK_TIMEOUT if timeout is None else timeout
     deadline = time.monotonic() + limit
     me = current_owner() if handoff.needs_owner else _NOBODY

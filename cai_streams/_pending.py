@@ -442,9 +442,9 @@ class PendingWork:
                     self.blocks.remove(block)
                     block.done.set()
 
-    def try_pin_writes(self, me: Owner) -> Blocked | list[Access]:
-        """The pending writes, pinned, for a host wait (unpin with :meth:`unpin_writes`)."""
-        own = self.own_stream()
+    def try_pin_writes(self, me: Owner, own: Stream | None) -> Blocked | list[Access]:
+        """The pending writes, pinned, for a host wait (unpin with :meth:`unpin_writes`).
+        ``own``: what :meth:`own_stream` gave, read by the caller just before."""
         with self._locked():
             blocks = self.blocks  # (none open, the common case: nothing to look through)
             if blocks and (blocked := self.blocker(Kind.READ, False, me)) is not None:
@@ -455,6 +455,15 @@ class PendingWork:
             for a in self.writes:
                 a.pin()
             return list(self.writes)
+
+    def idle_for_host(self) -> bool:
+        """Whether a host consume has nothing here to wait for or behind: no
+        open block, no pending write, no block left to fence (``_fence``).
+        Then, if :meth:`own_stream` gave None just before, the consume is
+        complete with nothing pinned. Takes the lock without telling the
+        sanitizer: for callers that checked it observes nothing."""
+        with self.lock:
+            return not (self.blocks or self.writes or self.unfenced)
 
     def unpin_writes(self, accesses: list[Access], *, complete: bool) -> None:
         """Let go of what :meth:`try_pin_writes` gave; complete writes are forgotten."""

@@ -206,7 +206,8 @@ async def test_only_tracked_handoffs_ask_who_is_calling(
 ) -> None:
     """Only a tracked row looks at who calls (another owner's open block is
     waited for): an untracked handoff never asks (a few calls into the async
-    library each time); a tracked one asks once."""
+    library each time); a tracked one asks once, unless it is a host consume
+    with nothing open or pending (complete at once, no row built)."""
     from cai_streams import _blocks, _consume
 
     asked = 0
@@ -228,6 +229,11 @@ async def test_only_tracked_handoffs_ask_who_is_calling(
     await cs.consume_all(arr, arr)
     assert asked == 0
     t = cs.track(sim.empty(1024))
+    cs.consume_blocking(t)
+    await cs.consume(t)
+    assert asked == 0
+    with t.writing(producer):  # a pending write: the row, which asks
+        sim.launch(producer, lambda a: a.fill(1.0), t.array, writes=[t.array])
     cs.consume_blocking(t)
     await cs.consume(t, stream=mine)
     await cs.consume_all(arr, t)

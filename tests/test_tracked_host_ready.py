@@ -1,0 +1,267 @@
+"""A host consume of a tracked array whose work is complete returns at once,
+with no handoff built (``_consume._tracked_host``, #20's lean path); anything
+pending, open or left to fence takes the full row.
+
+Model-based: random programs of latched writes in ``writing()`` blocks, latched
+work on the buffer's own stream (what its own interface names), another
+thread's open ``writing()`` block, releases and consumes, with the sanitizer
+off (it takes the full row) and on. The oracle: a consume returns iff no latch
+holds work it must wait for, and no other thread's block is open. Beside it,
+controls with the lean path's check disabled, which return too early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cai_streams as cs
+from cai_streams import _consume, sim
+from cai_streams._pending import PendingWork
+
+from .device_ops import SimOps, consume_returns
+
+#: a consume expected to time out waits this long (its work is held by a latch)
+SHORT = 0.03
+#: a consume expected to return may take this long (a loaded CI machine)
+LONG = 10.0
+
+
+class _Block:
+    """Another thread's ``writing(s)`` block of ``t``, open until ``end``."""
+
+    def __init__(self, t: cs.TrackedArray, s: cs.Stream) -> None:
+        self._opened, self._end = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(t, s))
+        self._thread.start()
+        assert self._opened.wait(LONG)
+
+    def _run(self, t: cs.TrackedArray, s: cs.Stream) -> None:
+        with t.writing(s):
+            self._opened.set()
+            self._end.wait(LONG)
+
+    def end(self) -> None:
+        self._end.set()
+        self._thread.join(LONG)
+        assert not self._thread.is_alive()
+
+
+def _async_returns(t: cs.TrackedArray, timeout: float) -> bool:
+    async def go() -> None:
+        await cs.consume(t, timeout=timeout)
+
+    try:
+        asyncio.run(go())
+    except TimeoutError:
+        return False
+    return True
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("write"), st.integers(0, 1), st.booleans()),
+        st.tuples(st.just("own"), st.booleans()),
+        st.tuples(st.just("block"), st.integers(0, 1)),
+        st.tuples(st.just("release"), st.integers(0, 3)),
+        st.tuples(st.just("consume"), st.booleans()),
+    ),
+    max_size=12,
+)
+
+
+@pytest.mark.parametrize("sanitized", [False, True], ids=["lean", "sanitized"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(program=OPS)
+def test_a_host_consume_returns_iff_nothing_holds_it(
+    program: list[tuple[Any, ...]], sanitized: bool
+) -> None:
+    cs.use_backend("sim")
+    ops = SimOps()
+    streams = [cs.Stream(), cs.Stream()]
+    own = cs.Stream()
+    buf = sim.asarray(np.zeros(64, np.float32))
+    t = cs.track(buf)
+    holds: list[Callable[[], None]] = []  # releases of what a consume must wait for
+    blocks: list[Callable[[], None]] = []  # (another writer waits for an open block: none then)
+    try:
+        with cs.sanitize(sanitized):
+            for op in program:
+                blocks[:] = [end for end in blocks if end in holds]
+                if op[0] in ("write", "block") and blocks:
+                    continue  # (it would wait for the open block: the consume tests that)
+                if op[0] == "write":
+                    s = streams[op[1]]
+                    with t.writing(s):
+                        if op[2]:
+                            holds.append(ops.latch(s).release)
+                        ops.fill(s, t.array, 1.0)
+                elif op[0] == "own":  # work the buffer's own interface names
+                    buf.stream = own.handle
+                    if op[1]:
+                        holds.append(ops.latch(own).release)
+                    sim.launch(own, lambda: None, name="own work")
+                elif op[0] == "block":
+                    blocks.append(_Block(t, streams[op[1]]).end)
+                    holds.append(blocks[-1])
+                elif op[0] == "release" and holds:
+                    holds.pop(op[1] % len(holds))()
+                elif op[0] == "consume":
+                    returns = _async_returns if op[1] else consume_returns
+                    if holds:
+                        assert not returns(t, SHORT), "returned while work was held"
+                    else:
+                        assert returns(t, LONG)
+    finally:
+        for release in holds:
+            release()
+        ops.release_all()
+        for s in (*streams, own):  # the buffer goes back to the pool: its work first
+            s.synchronize()
+
+
+@pytest.fixture
+def _lean() -> Iterator[None]:
+    with cs.sanitize(False):  # (a sanitized consume takes the full row)
+        yield
+
+
+def _as_if_idle(mp: pytest.MonkeyPatch) -> None:
+    """The control: the lean path's check of the array's state says idle."""
+    mp.setattr(PendingWork, "idle_for_host", lambda self: True)
+
+
+@pytest.mark.usefixtures("_lean")
+@pytest.mark.parametrize("control", [False, True], ids=["lean", "control"])
+def test_a_pending_write_is_waited_for(control: bool) -> None:
+    """Data: a fill of 7 held by a latch. The consume returns once it ran; the
+    control returns at once and reads the 0 from before it."""
+    ops = SimOps()
+    s = cs.Stream()
+    t = cs.track(sim.asarray(np.zeros(64, np.float32)))
+    latch = ops.latch(s)
+    with t.writing(s):
+        ops.fill(s, t.array, 7.0)
+    timer = threading.Timer(0.05, latch.release)
+    timer.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            if control:
+                _as_if_idle(mp)
+            cs.consume_blocking(t, timeout=LONG)
+            seen = ops.to_host(t.array)[0]
+    finally:
+        timer.cancel()
+        latch.release()
+    assert seen == (0.0 if control else 7.0)
+
+
+@pytest.mark.usefixtures("_lean")
+@pytest.mark.parametrize("control", [False, True], ids=["lean", "control"])
+def test_the_buffers_own_stream_is_waited_for(control: bool) -> None:
+    """Data: the buffer's own interface names a stream whose fill of 5 a latch
+    holds (no ``writing()`` block). The control skips the own stream's check."""
+    ops = SimOps()
+    own = cs.Stream()
+    buf = sim.asarray(np.zeros(64, np.float32))
+    t = cs.track(buf)
+    latch = ops.latch(own)
+    ops.fill(own, buf, 5.0)
+    buf.stream = own.handle
+    timer = threading.Timer(0.05, latch.release)
+    timer.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            if control:
+                mp.setattr(PendingWork, "own_stream", lambda self: None)
+            cs.consume_blocking(t, timeout=LONG)
+            seen = ops.to_host(buf)[0]
+    finally:
+        timer.cancel()
+        latch.release()
+    assert seen == (0.0 if control else 5.0)
+
+
+@pytest.mark.usefixtures("_lean")
+@pytest.mark.parametrize("control", [False, True], ids=["lean", "control"])
+def test_another_threads_open_block_is_waited_for(control: bool) -> None:
+    s = cs.Stream()
+    t = cs.track(sim.asarray(np.zeros(64, np.float32)))
+    block = _Block(t, s)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            if control:
+                _as_if_idle(mp)
+            assert consume_returns(t, SHORT) is control
+    finally:
+        block.end()
+
+
+class _Counting(sim.SimArray):
+    """A simulated buffer that counts reads of its interface."""
+
+    reads = 0
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        self.reads += 1
+        cai: dict[str, Any] = super().__cuda_array_interface__
+        return cai
+
+
+@pytest.mark.usefixtures("_lean")
+def test_the_buffers_interface_is_read_once_per_consume() -> None:
+    """Also when its own stream is busy and the full row takes over from the
+    lean check: the row is given what the check read."""
+    ops = SimOps()
+    own = cs.Stream()
+    memory = sim.asarray(np.zeros(64, np.float32))  # (kept: it owns the memory)
+    buf = _Counting(memory._view, device=memory.device)
+    t = cs.track(buf)
+    buf.stream = own.handle
+    before = buf.reads
+    cs.consume_blocking(t)  # idle: complete at once
+    assert buf.reads == before + 1
+    latch = ops.latch(own)
+    timer = threading.Timer(0.05, latch.release)
+    timer.start()
+    try:
+        cs.consume_blocking(t, timeout=LONG)  # busy: the row waits
+    finally:
+        timer.cancel()
+        latch.release()
+    assert buf.reads == before + 2
+
+
+@pytest.mark.usefixtures("_lean")
+def test_a_complete_consume_builds_no_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lean path is taken (else this test proves nothing about it), and it
+    gives what the full row gives: the tracked array's view, naming no stream."""
+    built: list[object] = []
+    real = _consume._TrackedHost.__init__
+
+    def counted(self: Any, *args: Any) -> None:
+        built.append(self)
+        real(self, *args)
+
+    monkeypatch.setattr(_consume._TrackedHost, "__init__", counted)
+    t = cs.track(sim.asarray(np.zeros(64, np.float32)))
+    view = cs.consume_blocking(t)
+    assert asyncio.run(cs.consume(t)) is view
+    assert built == []
+    assert view is t.view and view.stream is None and view.owner is t.array
+    with cs.sanitize():  # the sanitizer declares the host's read in the row
+        assert cs.consume_blocking(t) == view
+    assert len(built) == 1
+    assert cs.consume_blocking(t, sync=False).stream is None  # the opt-out row: no writes
+    with pytest.raises(TypeError, match="sync must be"):
+        cs.consume_blocking(t, sync=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        cs.consume_blocking(t, timeout=-1)
