@@ -92,6 +92,7 @@ class Access:
         "pool",
         "state",
         "stream",
+        "unfenced",
         "waited_by",
         "work",
     )
@@ -111,6 +112,10 @@ class Access:
         self.pins = 0
         self.pool: EventPool | None = None  # the pool of the event's device, once recorded
         self.waited_by: set[StreamId] = set()
+        #: a captured record that also stands for a block's ordinary work from
+        #: before its capture began, not recorded yet (``PendingWork._fence``):
+        #: nothing can wait for it (``_capture_guard``) until that record is made
+        self.unfenced = False
 
     @classmethod
     def recorded(

@@ -53,6 +53,7 @@ class OpenBlock:
         "kind",
         "name",
         "owner",
+        "record",
         "stream",
     )
 
@@ -73,6 +74,9 @@ class OpenBlock:
         #: its stream was capturing when it opened: a capture still under way
         #: when it ends began before the block's work, or in it (``_pending``)
         self.began_capturing = began_capturing
+        #: its record, once it ended (kept only while a capture begun in it
+        #: leaves its earlier work to fence: ``_pending``)
+        self.record: Access | None = None
         self.kind = kind
         self.disjoint = disjoint
         self.group = group

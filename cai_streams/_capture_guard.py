@@ -274,6 +274,9 @@ class PendingAccess(Protocol):
     mark: Mark | None
     #: the event recorded at ``mark`` (0 until recorded)
     event: int
+    #: a captured record standing for ordinary work not recorded yet: its
+    #: stream captured when last asked, whatever it does now (``_pending``)
+    unfenced: bool
 
     def is_complete(self) -> bool: ...
 
@@ -290,8 +293,8 @@ def must_wait(
     if mark is None:  # not recorded yet: its stream has the answer
         producer_capturing = capturing(backend, access.key) is True
         done = idle
-    else:
-        producer_capturing = in_capture(backend, mark)
+    else:  # (unfenced: one ask found its stream capturing; a later one must not undo it)
+        producer_capturing = access.unfenced or in_capture(backend, mark)
         done = access.is_complete
     return check_wait(
         waiter,
@@ -333,7 +336,10 @@ def host_skips(backend: Backend, access: PendingAccess, what: str) -> bool:
     """Whether the host need not wait for a recorded ``access``: True when it
     was recorded in a capture that has ended (that work runs only when a graph
     is launched; :func:`taken_or_complete`); :class:`CaptureError` when its
-    capture is still under way."""
+    capture is still under way, or was when the record's block was last
+    fenced (``access.unfenced``: the work from before it is not recorded)."""
     mark = access.mark
+    if access.unfenced:
+        raise _host_wait_refused(access.key, what)
     check_host_wait(backend, access.key, mark, what)
     return mark is not None and mark.captured and taken_or_complete(backend, access.event)

@@ -29,6 +29,7 @@ from . import _capture_guard, _observe
 from ._access import Access, AccessState, Counters, Kind
 from ._backend import Backend
 from ._blocks import Blocked, OpenBlock, Owner
+from ._capture_guard import StreamPhase
 from ._config import settings
 from ._identity import StreamId, stream_id_now
 from ._interface import ArrayView, byte_range, stream_of
@@ -221,20 +222,30 @@ class PendingWork:
         capturing when it ended, has only a captured record: its work enqueued
         before the capture began is ordinary, pending on the stream, and no
         record of it could be made. Once that capture is over, an ordinary
-        record now covers it (and what followed); until then consumers see the
-        captured record (a host wait raises CaptureError). A stream closed
-        since can take no record: nothing more can be waited for there."""
-        waiting: list[OpenBlock] = []
-        for block in self.unfenced:
-            if block.stream.closed:
-                continue
-            if _capture_guard.capturing(self.backend, block.key) is not False:
-                waiting.append(block)  # (None: another thread's handle 2; it asks)
-                continue
-            new = Access.recorded(self, block.kind, block.stream, block.key, block.disjoint)
-            new.group = block.group
-            self._add(new)
-        self.unfenced = waiting
+        record now covers it (and what followed); until then the captured
+        record is marked ``unfenced`` and nothing waits for it (a host wait, or
+        a stream outside the capture, raises CaptureError), even if the capture
+        ends between this ask and theirs: one ask decides. A stream closed or
+        destroyed since can take no record: nothing more can be waited for
+        there. (A bare handle destroyed and made again for another stream
+        cannot be told apart from the first: ``docs/capture.md``.)"""
+        for block in list(self.unfenced):  # (a record that raises leaves the rest)
+            phase = StreamPhase.GONE
+            if not block.stream.closed:
+                phase = _capture_guard.stream_phase(self.backend, block.key)
+            if phase is StreamPhase.CAPTURING or phase is StreamPhase.UNNAMED:
+                continue  # (unnamed: another thread's handle 2; that thread asks)
+            if phase is StreamPhase.NOT_CAPTURING:
+                new = Access.recorded(self, block.kind, block.stream, block.key, block.disjoint)
+                new.group = block.group
+                self._add(new)
+                if new.mark is not None and new.mark.captured:
+                    continue  # a capture began since the ask: this record is in it
+            # recorded; or gone (destroyed or closed): nothing more can wait there
+            self.unfenced.remove(block)
+            if block.record is not None:
+                block.record.unfenced = False
+                block.record = None
 
     def order_after(
         self,
@@ -366,6 +377,8 @@ class PendingWork:
                 self._add(new)
                 if new.mark is not None and new.mark.captured and not block.began_capturing:
                     block.covered = []  # (released: nothing of them is needed any more)
+                    block.record = new
+                    new.unfenced = True  # nothing waits for it until it is fenced
                     self.unfenced.append(block)  # a capture began in it (see _fence)
             finally:
                 self.blocks.remove(block)

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 import cai_streams as cs
+from cai_streams import _capture_guard
+from cai_streams._capture_guard import StreamPhase
 from cai_streams._pending import PendingWork
 
 from .device_ops import DeviceOps, consume_returns
@@ -30,8 +32,40 @@ def _unsanitized() -> Iterator[None]:
 
 
 def _as_before(mp: pytest.MonkeyPatch) -> None:
-    """The control: no ordinary record once the capture is over."""
-    mp.setattr(PendingWork, "_fence", lambda self: None)
+    """The control: no ordinary record once the capture is over (the captured
+    record is taken as it is)."""
+
+    def no_fence(self: PendingWork) -> None:
+        for block in self.unfenced:
+            if block.record is not None:
+                block.record.unfenced = False
+        self.unfenced = []
+
+    mp.setattr(PendingWork, "_fence", no_fence)
+
+
+def _fence_asks_stale(mp: pytest.MonkeyPatch, phase: StreamPhase) -> None:
+    """The fence's next ask answers ``phase``: what it saw just before another
+    thread ended (or began) the capture, which the asks after it see."""
+    real = _capture_guard.stream_phase
+    answers = [phase]
+
+    def stale(backend: cs.Backend, key: Any) -> StreamPhase:
+        return answers.pop() if answers else real(backend, key)
+
+    mp.setattr(_capture_guard, "stream_phase", stale)
+
+
+def _host_skips_before(backend: cs.Backend, access: Any, what: str) -> bool:
+    """``host_skips`` as it was: it asked again, and took a captured record for
+    done once that ask found the capture over."""
+    mark = access.mark
+    _capture_guard.check_host_wait(backend, access.key, mark, what)
+    return (
+        mark is not None
+        and mark.captured
+        and _capture_guard.taken_or_complete(backend, access.event)
+    )
 
 
 def _filled_then_captured(ops: DeviceOps, s: cs.Stream, t: cs.TrackedArray) -> tuple[Any, Any]:
@@ -134,3 +168,118 @@ def test_a_block_opened_in_the_capture_needs_no_ordinary_record(ops: DeviceOps) 
     finally:
         latch.release()
         s.synchronize()
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["one ask", "control"])
+def test_a_capture_ending_after_the_fences_ask_still_refuses_the_host_wait(
+    ops: DeviceOps, control: bool
+) -> None:
+    """The fence found the stream capturing and kept the block; the capture
+    ended before the host's own ask. One ask decides: CaptureError, and the
+    next consume records and waits. The control (the host asking again) took
+    the captured record for done and returned under the held fill."""
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    latch, graph = _filled_then_captured(ops, s, t)
+    refused = returned = False
+    with pytest.MonkeyPatch.context() as mp:
+        _fence_asks_stale(mp, StreamPhase.CAPTURING)
+        if control:
+            mp.setattr(_capture_guard, "host_skips", _host_skips_before)
+        try:
+            returned = consume_returns(t, 0.2)
+        except cs.CaptureError:
+            refused = True
+        seen = ops.to_host(t.array)
+    try:
+        if control:
+            assert returned and (seen == 0.0).all()
+        else:
+            assert refused
+            assert not consume_returns(t, 0.2)  # asked again: recorded, and waited for
+    finally:
+        latch.release()
+        s.synchronize()
+        graph.close()
+    cs.consume_blocking(t, timeout=5)
+    assert (ops.to_host(t.array) == 7.0).all()
+
+
+def test_a_capture_ending_after_the_fences_ask_refuses_a_consumer_stream(
+    ops: DeviceOps,
+) -> None:
+    """The same for a consumer's stream outside the capture: CaptureError, not
+    a stream that waits for nothing of the block's fill."""
+    s, consumer = cs.Stream(), cs.Stream()
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    out = ops.array(np.zeros(64, np.float32))
+    latch, graph = _filled_then_captured(ops, s, t)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            _fence_asks_stale(mp, StreamPhase.CAPTURING)
+            with pytest.raises(cs.CaptureError):
+                cs.consume_blocking(t, stream=consumer)
+        cs.consume_blocking(t, stream=consumer)  # asked again: ordered after the fill
+        ops.copy(consumer, out, t.array)
+    finally:
+        latch.release()
+    consumer.synchronize()
+    s.synchronize()
+    graph.close()
+    assert (ops.to_host(out) == 7.0).all()
+
+
+def test_a_capture_begun_between_the_fences_ask_and_its_record_keeps_the_block(
+    ops: DeviceOps,
+) -> None:
+    """Another thread began a second capture on the stream after the fence's
+    ask: the fence's record went into that capture, so the block's fill is
+    still unrecorded and the block stays to fence; once the second capture is
+    over, a host consume waits for the fill (it returned under the held fill
+    when the block was let go with a captured record)."""
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    latch, graph = _filled_then_captured(ops, s, t)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            s.begin_capture("relaxed")
+            _fence_asks_stale(mp, StreamPhase.NOT_CAPTURING)
+            with pytest.raises(cs.CaptureError):
+                cs.consume_blocking(t, timeout=0.2)
+            assert len(t._work.unfenced) == 1
+            s.end_capture().close()
+        assert not consume_returns(t, 0.2)
+    finally:
+        latch.release()
+        s.synchronize()
+        graph.close()
+    cs.consume_blocking(t, timeout=5)
+    assert (ops.to_host(t.array) == 7.0).all()
+    assert t._work.unfenced == []
+
+
+def test_a_borrowed_stream_destroyed_after_the_capture_is_let_go(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    """A bare handle another library made and destroyed once its work was done:
+    nothing more can be recorded or waited for there, and the array stays
+    usable (each use tried to record on the destroyed handle)."""
+    other = cs.Stream()  # (made first: the destroyed handle is not reused below)
+    handle = backend.create_stream()
+    s = cs.Stream.wrap(handle)
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    with t.writing(s):
+        ops.fill(s, t.array, 7.0)
+        s.begin_capture("relaxed")
+        ops.add(s, t.array, 1.0)
+    s.end_capture().close()
+    backend.synchronize_stream(handle)
+    backend.destroy_stream(handle)
+    for _ in range(2):
+        cs.consume_blocking(t, timeout=5)
+        cs.consume_blocking(t, stream=other)
+    with t.writing(other):
+        ops.add(other, t.array, 1.0)
+    cs.consume_blocking(t, timeout=5)
+    assert (ops.to_host(t.array) == 8.0).all()
+    assert t._work.unfenced == []

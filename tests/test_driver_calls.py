@@ -90,6 +90,11 @@ HOST = {
 }
 #: consume(t) of a tracked array whose writes are complete: its own state says so
 TRACKED: dict[str, int] = {}
+#: an empty ``writing(s)`` block of a tracked array with nothing pending
+BLOCK = {
+    "capture_status": 2,  # at its start (a capture begun in it: _pending._fence), and the record's
+    "record": 1,  # its write, on s
+}
 
 
 def test_enqueue_mode_makes_the_floors_two_calls_and_two_capture_asks(
@@ -238,6 +243,17 @@ async def test_only_tracked_handoffs_ask_who_is_calling(
     await cs.consume(t, stream=mine)
     await cs.consume_all(arr, t)
     assert asked == 3
+
+
+def test_a_block_asks_the_capture_state_twice_and_records_once(sim_backend: cs.Backend) -> None:
+    s = cs.Stream()
+    t = cs.track(sim.empty(1024))
+
+    def block() -> None:
+        with t.writing(s):
+            pass
+
+    _at_most(_calls(block, s), BLOCK)
 
 
 def test_host_mode_of_complete_tracked_work_makes_no_call(sim_backend: cs.Backend) -> None:
