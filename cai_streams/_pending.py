@@ -227,8 +227,9 @@ class PendingWork:
         a stream outside the capture, raises CaptureError), even if the capture
         ends between this ask and theirs: one ask decides. A stream closed or
         destroyed since can take no record: nothing more can be waited for
-        there. (A bare handle destroyed and made again for another stream
-        cannot be told apart from the first: ``docs/capture.md``.)"""
+        there (closing a stream of this library records first, in
+        :meth:`stream_closing`). A bare handle destroyed and made again for
+        another stream cannot be told apart from the first (``docs/capture.md``)."""
         for block in list(self.unfenced):  # (a record that raises leaves the rest)
             phase = StreamPhase.GONE
             if not block.stream.closed:
@@ -246,6 +247,18 @@ class PendingWork:
             if block.record is not None:
                 block.record.unfenced = False
                 block.record = None
+            lifetime = block.stream._lifetime
+            if lifetime is not None and all(
+                b.stream._lifetime is not lifetime for b in self.unfenced
+            ):
+                lifetime.forget(self)
+
+    def stream_closing(self) -> None:
+        """The library's stream of a block left to fence is about to be
+        destroyed (``leave`` listens): record on it now, while it exists (it
+        cannot be capturing: a capturing stream refuses to close)."""
+        with self._locked():
+            self._fence()
 
     def order_after(
         self,
@@ -380,6 +393,9 @@ class PendingWork:
                     block.record = new
                     new.unfenced = True  # nothing waits for it until it is fenced
                     self.unfenced.append(block)  # a capture began in it (see _fence)
+                    lifetime = block.stream._lifetime
+                    if lifetime is not None:  # (False: closing now; then it is gone)
+                        lifetime.listen(self)  # closing the stream fences first
             finally:
                 self.blocks.remove(block)
                 block.done.set()
@@ -495,6 +511,9 @@ class PendingWork:
         with self._locked():
             for a in [*self.writes, *self.reads]:
                 a.release()
+            for block in self.unfenced:
+                if (lifetime := block.stream._lifetime) is not None:
+                    lifetime.forget(self)
             self.writes, self.reads, self.unfenced = [], [], []
 
     def settle(self) -> bool:

@@ -283,3 +283,46 @@ def test_a_borrowed_stream_destroyed_after_the_capture_is_let_go(
     cs.consume_blocking(t, timeout=5)
     assert (ops.to_host(t.array) == 8.0).all()
     assert t._work.unfenced == []
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["recorded", "control"])
+def test_closing_the_stream_after_the_capture_records_the_blocks_work_first(
+    ops: DeviceOps, control: bool
+) -> None:
+    """The block's stream, one of the library's, is closed once the capture is
+    over, before the array's next use: closing records first, so a host consume
+    still waits for the held fill. The control (nothing listening) returned
+    under it."""
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    latch, graph = _filled_then_captured(ops, s, t)
+    graph.close()
+    with pytest.MonkeyPatch.context() as mp:
+        if control:
+            mp.setattr(PendingWork, "stream_closing", lambda self: None)
+        s.close()
+        returned = consume_returns(t, 0.2)
+        seen = ops.to_host(t.array)
+    latch.release()
+    if control:
+        assert returned and (seen == 0.0).all()
+    else:
+        assert not returned
+        cs.consume_blocking(t, timeout=5)
+        assert (ops.to_host(t.array) == 7.0).all()
+    assert t._work.unfenced == []
+
+
+def test_a_fenced_block_stops_listening_to_its_stream(ops: DeviceOps) -> None:
+    """Once recorded, the array is no longer one of the stream's listeners (it
+    would be kept alive, and told, until the stream closes)."""
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    latch, graph = _filled_then_captured(ops, s, t)
+    lifetime = s._lifetime
+    assert lifetime is not None and t._work in lifetime._listeners
+    latch.release()
+    cs.consume_blocking(t, timeout=5)
+    assert t._work not in lifetime._listeners
+    graph.close()
+    s.synchronize()
