@@ -324,8 +324,19 @@ class PendingWork:
                 return  # already open: it covers this consumer's work as well
         self._add(Access.lazy(self, stream, key))
         open_reads = [a for a in self.reads if a.state is AccessState.LAZY]
-        if len(open_reads) > MAX_OPEN_READS:
-            open_reads[0].materialize()
+        if len(open_reads) > MAX_OPEN_READS:  # (its stream capturing: one more, for now)
+            self._materialize_outside_capture(open_reads[0])
+
+    def _materialize_outside_capture(self, a: Access) -> bool:
+        """Record the lazy ``a`` now, unless its stream captures (or this
+        thread cannot name it): a record then would stand for the captured work
+        only, and the consumer's ordinary work before the capture would be
+        taken for done once it ended. False: ``a`` is still lazy (a writer that
+        must wait for it asks again, and raises CaptureError while it captures)."""
+        if _capture_guard.capturing(self.backend, a.key) is not False:
+            return False
+        a.materialize()
+        return True
 
     def _declare_stream_read(self, stream: Stream, what: str) -> None:
         if _observe.active:
@@ -525,7 +536,7 @@ class PendingWork:
                 self._fence()
             for a in [*self.writes, *self.reads]:
                 if a.state is AccessState.LAZY:
-                    a.materialize()
+                    self._materialize_outside_capture(a)  # (else still lazy: pending)
             self._drop_complete(self.writes)
             self._drop_complete(self.reads)
             return not self.writes and not self.reads and not self.unfenced
