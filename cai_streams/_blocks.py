@@ -45,6 +45,7 @@ class OpenBlock:
 
     __slots__ = (
         "began_capturing",
+        "capture",
         "covered",
         "disjoint",
         "done",
@@ -69,11 +70,15 @@ class OpenBlock:
         name: str = "writing()/reading()",
         *,
         began_capturing: bool = False,
+        capture: object | None = None,
     ) -> None:
         self.name = name  # what opened it, for the messages
         #: its stream was capturing when it opened: a capture still under way
         #: when it ends began before the block's work, or in it (``_pending``)
         self.began_capturing = began_capturing
+        #: that capture, if this library began it (``_capture.under_way``): one
+        #: that ends in the block and another that begins in it tell apart
+        self.capture = capture
         #: its record, once it ended (kept only while a capture begun in it
         #: leaves its earlier work to fence: ``_pending``)
         self.record: Access | None = None

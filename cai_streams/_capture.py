@@ -68,6 +68,12 @@ def note_captured(work: object, writes: bool, key: StreamId) -> None:
         capture.touched[id(work)] = (ref, wrote or writes)
 
 
+def under_way(key: StreamId) -> object | None:
+    """The capture this library began on ``key``'s stream and has not seen
+    end, if any: a token that another capture never equals. Asks no driver."""
+    return _active.get(key)
+
+
 def begin_capture(stream: Stream, mode: object) -> None:
     if not isinstance(mode, str):
         raise TypeError(f"capture mode must be a str, got {type(mode).__name__}")

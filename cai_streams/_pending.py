@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import _capture_guard, _observe
+from . import _capture, _capture_guard, _observe
 from ._access import Access, AccessState, Counters, Kind
 from ._backend import Backend
 from ._blocks import Blocked, OpenBlock, Owner
@@ -384,10 +384,29 @@ class PendingWork:
                     what=f"{'writing' if kind is Kind.WRITE else 'reading'}() block",
                 )
             block = OpenBlock(
-                kind, disjoint, stream, key, me, covered, group, began_capturing=began
+                kind,
+                disjoint,
+                stream,
+                key,
+                me,
+                covered,
+                group,
+                began_capturing=began,
+                capture=_capture.under_way(key) if began else None,
             )
             self.blocks.append(block)
             return block
+
+    @staticmethod
+    def _began_in(block: OpenBlock) -> bool:
+        """Whether the capture under way at the block's end began inside it:
+        its stream did not capture when it opened, or this library began both
+        captures and they differ (one ended in the block, another began). A
+        capture begun elsewhere, under way at both ends, is taken as one."""
+        if not block.began_capturing:
+            return True
+        now = _capture.under_way(block.key)
+        return block.capture is not None and now is not None and now is not block.capture
 
     def leave(self, block: OpenBlock) -> None:
         """The block's body ended: its work is pending on its stream."""
@@ -399,7 +418,7 @@ class PendingWork:
                     if a.state is not AccessState.RELEASED:
                         self._drop(a)
                 self._add(new)
-                if new.mark is not None and new.mark.captured and not block.began_capturing:
+                if new.mark is not None and new.mark.captured and self._began_in(block):
                     block.covered = []  # (released: nothing of them is needed any more)
                     block.record = new
                     new.unfenced = True  # nothing waits for it until it is fenced

@@ -326,3 +326,39 @@ def test_a_fenced_block_stops_listening_to_its_stream(ops: DeviceOps) -> None:
     assert t._work not in lifetime._listeners
     graph.close()
     s.synchronize()
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["told apart", "control"])
+def test_a_block_opened_in_one_capture_that_ends_and_another_that_begins_in_it(
+    ops: DeviceOps, control: bool
+) -> None:
+    """The block opens in capture A; A ends inside it; an ordinary fill of 7
+    (held by a latch) follows; capture B begins inside it and is under way at
+    its end. B began in the block: once B is over, a host consume waits for the
+    fill. The control (only "was it capturing when it opened") returned under
+    the held fill."""
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    with pytest.MonkeyPatch.context() as mp:
+        if control:
+            mp.setattr(PendingWork, "_began_in", staticmethod(lambda b: not b.began_capturing))
+        s.begin_capture("relaxed")
+        with t.writing(s):
+            ops.add(s, t.array, 1.0)  # captured in A
+            s.end_capture().close()
+            latch = ops.latch(s)
+            ops.fill(s, t.array, 7.0)
+            s.begin_capture("relaxed")
+            ops.add(s, t.array, 1.0)  # captured in B
+    graph = s.end_capture()
+    returned = consume_returns(t, 0.2)
+    seen = ops.to_host(t.array)
+    latch.release()
+    s.synchronize()
+    graph.close()
+    if control:
+        assert returned and (seen == 0.0).all()
+    else:
+        assert not returned
+        cs.consume_blocking(t, timeout=5)
+        assert (ops.to_host(t.array) == 7.0).all()
