@@ -203,7 +203,7 @@ class _TrackedHost(_Tracked):
     def begin(self, me: Owner) -> Blocked | None:
         own, self.own = self.own, Unread.UNREAD
         if own is Unread.UNREAD:
-            own = self.work.own_stream()
+            own = self.work.own_stream(sync=True)  # (this row synchronizes)
         got = self.work.try_pin_writes(me, own)
         if isinstance(got, Blocked):
             return got
@@ -437,10 +437,10 @@ def _tracked_host(t: TrackedArray, sync: object, backend: Backend) -> ArrayView 
     if not _sync_flag(sync) or _observe.active or work.backend is not backend:
         return _handoff(t, None, sync, backend)
     release_holds()  # (the lookup's bounded step)
-    own = work.own_stream()
+    own = work.own_stream(sync=True)
     view = t.view
-    if own is None and view.stream is None and work.idle_for_host():
-        return view
+    if own is None and work.idle_for_host():  # (the view names no stream, as the row's)
+        return view if view.stream is None else view.with_stream(None)
     row = _TrackedHost(scheduler_for(backend, work.device), view, None, work)
     row.own = own
     return row
@@ -583,11 +583,18 @@ async def consume(
     check_timeout(timeout)
     if stream is None and type(obj) is TrackedArray:
         check_protocol(protocol)
-        got = _tracked_host(obj, sync, current_backend())
-        if isinstance(got, ArrayView):  # complete: the one cancellation point
-            await checkpoint()
-            return got
+        got: ArrayView | _Handoff | None = None
+        try:
+            got = _tracked_host(obj, sync, current_backend())
+            if isinstance(got, ArrayView):  # complete: the one cancellation point
+                await checkpoint()
+                return got
+        except BaseException as exc:  # a kept traceback must not keep the owner
+            release_frames(exc)
+            got = obj = None
+            raise
         handoff = got
+        del got  # (only the handoff holds the view from here)
     else:
         (handoff,) = _handoffs([obj], stream, sync, protocol)
     try:
@@ -645,10 +652,16 @@ def consume_blocking(
     check_timeout(timeout)
     check_protocol(protocol)
     if stream is None and type(obj) is TrackedArray:
-        got = _tracked_host(obj, sync, current_backend())
+        try:
+            got = _tracked_host(obj, sync, current_backend())
+        except BaseException as exc:  # a kept traceback must not keep the owner
+            release_frames(exc)
+            obj = None
+            raise
         if isinstance(got, ArrayView):
             return got  # complete: nothing was waited for or pinned
         handoff = got
+        del got  # (only the handoff holds the view from here)
     else:
         handoff = _handoff(obj, stream, sync, current_backend(), protocol)
     limit = BLOCK_TIMEOUT if timeout is None else timeout

@@ -190,11 +190,12 @@ class PendingWork:
                 snapshot.group = block.group
                 self._add(snapshot)
 
-    def own_stream(self) -> Stream | None:
+    def own_stream(self, *, sync: bool | None = None) -> Stream | None:
         """The stream the buffer's own interface names as pending now, if any
-        and unless the backend says it is idle. Reads the interface (user
-        code): called without the lock."""
-        if not settings.sync:
+        and unless the backend says it is idle; None with ``sync`` False (None:
+        the global setting; a consume passes its own). Reads the interface
+        (user code): called without the lock."""
+        if not (settings.sync if sync is None else sync):
             return None
         obj = self.obj()
         if obj is None:
@@ -471,8 +472,9 @@ class PendingWork:
         """``s`` waits for the pending writes; what it enqueues from now on
         reads the buffer (a consumer read). Only enqueues. ``block``: also
         open a read block for ``me`` (a ``consuming()`` body), which another
-        owner's write waits for; end it with :meth:`read_done_on`."""
-        own = self.own_stream()
+        owner's write waits for; end it with :meth:`read_done_on`. For a
+        consume that synchronizes (its ``sync``, whatever the setting)."""
+        own = self.own_stream(sync=True)
         with self._locked():
             blocked = self.blocker(Kind.READ, False, me)
             if blocked is not None:

@@ -13,10 +13,14 @@ controls with the lean path's check disabled, which return too early.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -180,7 +184,7 @@ def test_the_buffers_own_stream_is_waited_for(control: bool) -> None:
     try:
         with pytest.MonkeyPatch.context() as mp:
             if control:
-                mp.setattr(PendingWork, "own_stream", lambda self: None)
+                mp.setattr(PendingWork, "own_stream", lambda self, **kw: None)
             cs.consume_blocking(t, timeout=LONG)
             seen = ops.to_host(buf)[0]
     finally:
@@ -265,3 +269,145 @@ def test_a_complete_consume_builds_no_handoff(monkeypatch: pytest.MonkeyPatch) -
         cs.consume_blocking(t, sync=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout"):
         cs.consume_blocking(t, timeout=-1)
+
+
+def _consume_via(how: str, items: list[cs.TrackedArray], timeout: float) -> None:
+    """Consume the one TrackedArray in ``items``, held by no frame but the library's."""
+    if how == "blocking":
+        cs.consume_blocking(items.pop(), timeout=timeout)
+    elif how == "awaited":
+        anyio.run(lambda: cs.consume(items.pop(), timeout=timeout))
+    else:  # awaited in a scope cancelled before it (the lean path's checkpoint raises)
+
+        async def cancelled() -> None:
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                try:
+                    await cs.consume(items.pop(), timeout=timeout)
+                except anyio.get_cancelled_exc_class() as exc:
+                    raise _Kept(exc) from None
+
+        anyio.run(cancelled)
+
+
+class _Kept(Exception):
+    """Carries a cancellation out of its scope, as a caller keeping it would."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__("kept")
+        self.exc = exc
+
+
+@pytest.mark.usefixtures("_lean")
+@pytest.mark.parametrize(
+    ("cause", "how"),
+    [
+        ("timeout", "blocking"),
+        ("timeout", "awaited"),
+        ("fault", "blocking"),
+        ("fault", "awaited"),
+        ("bad stream", "blocking"),
+        ("bad stream", "awaited"),
+        ("none", "cancelled"),
+    ],
+)
+def test_a_kept_error_does_not_keep_the_array(cause: str, how: str) -> None:
+    """The caller dropped the array and keeps the exception of a failed host
+    consume (a timeout behind a held write, a faulted kernel on the buffer's own
+    stream, a bad ``stream`` entry, or a cancellation of a complete consume):
+    the array is collected, as the full row lets it be."""
+    ops = SimOps()
+    s = cs.Stream()
+    buf = sim.asarray(np.zeros(64, np.float32))
+    t = cs.track(buf)
+    if cause == "timeout":
+        latch = ops.latch(s)
+        with t.writing(s):
+            ops.fill(s, t.array, 1.0)
+    elif cause == "fault":
+        ops.fail(s)
+        buf.stream = s.handle
+    elif cause == "bad stream":
+        buf.stream = 0  # the spec forbids 0: InterfaceError
+    ref = weakref.ref(buf)
+    items = [t]
+    del t, buf
+    kept: BaseException | None = None
+    try:
+        _consume_via(how, items, 0.05)
+    except (TimeoutError, cs.CudaError, cs.InterfaceError, _Kept) as exc:
+        kept = exc
+    if cause == "timeout":
+        latch.release()
+    s.synchronize() if cause != "fault" else sim.device().drain(timeout=10)
+    cs.stats()  # (completed holds let go)
+    gc.collect()
+    try:
+        assert kept is not None
+        assert ref() is None, f"{type(kept).__name__} kept the array"
+    finally:
+        del kept
+        if cause == "fault":
+            sim.reset(0)
+
+
+@pytest.mark.usefixtures("_lean")
+def test_an_array_tracked_while_its_interface_named_a_stream_takes_the_lean_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``t.view`` keeps the stream the interface named at ``track()``; a complete
+    consume still returns at once, with a view naming no stream (the row's)."""
+    built: list[object] = []
+    real = _consume._TrackedHost.__init__
+
+    def counted(self: Any, *args: Any) -> None:
+        built.append(self)
+        real(self, *args)
+
+    monkeypatch.setattr(_consume._TrackedHost, "__init__", counted)
+    s = cs.Stream()
+    buf = sim.asarray(np.zeros(64, np.float32))
+    buf.stream = s.handle
+    t = cs.track(buf)
+    assert t.view.stream == s.handle
+    view = cs.consume_blocking(t)
+    assert built == []
+    assert view.stream is None and view == t.view.with_stream(None)
+
+
+@pytest.mark.usefixtures("_lean")
+def test_sync_true_waits_for_the_buffers_own_stream_whatever_the_setting() -> None:
+    """An explicit ``sync=True`` synchronizes under ``configure(sync=False)``:
+    the stream the buffer's own interface names is waited for too, on the
+    host and onto a consumer's stream (each on an array of its own: a wait
+    notes the own stream's work as the array's, which the next one would see)."""
+    ops = SimOps()
+    own = cs.Stream()
+    latch = ops.latch(own)
+    cs.configure(sync=False)
+    try:
+        for how in ("host", "stream"):
+            for sync in (None, True):
+                buf = sim.asarray(np.zeros(64, np.float32))
+                t = cs.track(buf)
+                buf.stream = own.handle
+                if how == "host":
+                    assert consume_returns_sync(t, sync) is (sync is None), (how, sync)
+                    continue
+                consumer = cs.Stream()
+                cs.consume_blocking(t, stream=consumer, sync=sync)
+                done = consumer.record()
+                time.sleep(SHORT)
+                assert done.is_done is (sync is None), (how, sync)
+    finally:
+        cs.configure(sync=True)
+        latch.release()
+        own.synchronize()
+
+
+def consume_returns_sync(t: cs.TrackedArray, sync: bool | None) -> bool:
+    try:
+        cs.consume_blocking(t, sync=sync, timeout=SHORT)
+    except TimeoutError:
+        return False
+    return True
