@@ -44,6 +44,31 @@ def _as_before(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(PendingWork, "_fence", no_fence)
 
 
+def _check_the_fill_was_waited_for(
+    ops: DeviceOps, t: cs.TrackedArray, control: bool, returned: bool, seen: Any
+) -> None:
+    """A host consume of ``t`` that gave up after a short timeout (``returned``)
+    while a latch held its fill of 7; ``seen``, what ``t`` held then. The
+    control returned under the held fill and saw 0; else it timed out, and a
+    consume after the latch's release sees 7 (no graph ever ran: no +1)."""
+    if control:  # the captured record taken for done
+        assert returned and (seen == 0.0).all()
+    else:
+        assert not returned
+        _sees_the_fill(ops, t)
+
+
+def _let_go(latch: Any, s: cs.Stream, graph: cs.Graph) -> None:
+    latch.release()
+    s.synchronize()
+    graph.close()
+
+
+def _sees_the_fill(ops: DeviceOps, t: cs.TrackedArray) -> None:
+    cs.consume_blocking(t, timeout=5)
+    assert (ops.to_host(t.array) == 7.0).all()  # (no graph ever ran: no +1)
+
+
 def _fence_asks_stale(mp: pytest.MonkeyPatch, phase: StreamPhase) -> None:
     """The fence's next ask answers ``phase``: what it saw just before another
     thread ended (or began) the capture, which the asks after it see."""
@@ -93,15 +118,8 @@ def test_a_host_consume_waits_for_the_blocks_work_from_before_the_capture(
             _as_before(mp)
         returned = consume_returns(t, 0.2)
         seen = ops.to_host(t.array)
-    latch.release()
-    s.synchronize()
-    graph.close()
-    if control:  # the captured record taken for done: returned under the held fill
-        assert returned and (seen == 0.0).all()
-    else:
-        assert not returned
-        cs.consume_blocking(t, timeout=5)
-        assert (ops.to_host(t.array) == 7.0).all()  # (the graph never ran: no +1)
+    _let_go(latch, s, graph)
+    _check_the_fill_was_waited_for(ops, t, control, returned, seen)
 
 
 @pytest.mark.parametrize("control", [False, True], ids=["fenced", "control"])
@@ -198,11 +216,8 @@ def test_a_capture_ending_after_the_fences_ask_still_refuses_the_host_wait(
             assert refused
             assert not consume_returns(t, 0.2)  # asked again: recorded, and waited for
     finally:
-        latch.release()
-        s.synchronize()
-        graph.close()
-    cs.consume_blocking(t, timeout=5)
-    assert (ops.to_host(t.array) == 7.0).all()
+        _let_go(latch, s, graph)
+    _sees_the_fill(ops, t)
 
 
 def test_a_capture_ending_after_the_fences_ask_refuses_a_consumer_stream(
@@ -250,11 +265,8 @@ def test_a_capture_begun_between_the_fences_ask_and_its_record_keeps_the_block(
             s.end_capture().close()
         assert not consume_returns(t, 0.2)
     finally:
-        latch.release()
-        s.synchronize()
-        graph.close()
-    cs.consume_blocking(t, timeout=5)
-    assert (ops.to_host(t.array) == 7.0).all()
+        _let_go(latch, s, graph)
+    _sees_the_fill(ops, t)
     assert t._work.unfenced == []
 
 
@@ -304,12 +316,7 @@ def test_closing_the_stream_after_the_capture_records_the_blocks_work_first(
         returned = consume_returns(t, 0.2)
         seen = ops.to_host(t.array)
     latch.release()
-    if control:
-        assert returned and (seen == 0.0).all()
-    else:
-        assert not returned
-        cs.consume_blocking(t, timeout=5)
-        assert (ops.to_host(t.array) == 7.0).all()
+    _check_the_fill_was_waited_for(ops, t, control, returned, seen)
     assert t._work.unfenced == []
 
 
@@ -353,12 +360,5 @@ def test_a_block_opened_in_one_capture_that_ends_and_another_that_begins_in_it(
     graph = s.end_capture()
     returned = consume_returns(t, 0.2)
     seen = ops.to_host(t.array)
-    latch.release()
-    s.synchronize()
-    graph.close()
-    if control:
-        assert returned and (seen == 0.0).all()
-    else:
-        assert not returned
-        cs.consume_blocking(t, timeout=5)
-        assert (ops.to_host(t.array) == 7.0).all()
+    _let_go(latch, s, graph)
+    _check_the_fill_was_waited_for(ops, t, control, returned, seen)

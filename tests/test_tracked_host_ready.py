@@ -142,6 +142,27 @@ def _as_if_idle(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(PendingWork, "idle_for_host", lambda self: True)
 
 
+def _consumed_then_read(
+    latch: Any,
+    t: cs.TrackedArray,
+    arr: Any,
+    patch: Callable[[pytest.MonkeyPatch], None] | None,
+) -> float:
+    """``consume_blocking(t)`` while ``latch`` holds a fill, released 0.05 s on,
+    with ``patch`` applied (a control); then ``arr[0]`` as the host sees it."""
+    timer = threading.Timer(0.05, latch.release)
+    timer.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            if patch is not None:
+                patch(mp)
+            cs.consume_blocking(t, timeout=LONG)
+            return float(SimOps().to_host(arr)[0])
+    finally:
+        timer.cancel()
+        latch.release()
+
+
 @pytest.mark.usefixtures("_lean")
 @pytest.mark.parametrize("control", [False, True], ids=["lean", "control"])
 def test_a_pending_write_is_waited_for(control: bool) -> None:
@@ -153,17 +174,7 @@ def test_a_pending_write_is_waited_for(control: bool) -> None:
     latch = ops.latch(s)
     with t.writing(s):
         ops.fill(s, t.array, 7.0)
-    timer = threading.Timer(0.05, latch.release)
-    timer.start()
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            if control:
-                _as_if_idle(mp)
-            cs.consume_blocking(t, timeout=LONG)
-            seen = ops.to_host(t.array)[0]
-    finally:
-        timer.cancel()
-        latch.release()
+    seen = _consumed_then_read(latch, t, t.array, _as_if_idle if control else None)
     assert seen == (0.0 if control else 7.0)
 
 
@@ -179,17 +190,11 @@ def test_the_buffers_own_stream_is_waited_for(control: bool) -> None:
     latch = ops.latch(own)
     ops.fill(own, buf, 5.0)
     buf.stream = own.handle
-    timer = threading.Timer(0.05, latch.release)
-    timer.start()
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            if control:
-                mp.setattr(PendingWork, "own_stream", lambda self, **kw: None)
-            cs.consume_blocking(t, timeout=LONG)
-            seen = ops.to_host(buf)[0]
-    finally:
-        timer.cancel()
-        latch.release()
+
+    def unchecked(mp: pytest.MonkeyPatch) -> None:
+        mp.setattr(PendingWork, "own_stream", lambda self, **kw: None)
+
+    seen = _consumed_then_read(latch, t, buf, unchecked if control else None)
     assert seen == (0.0 if control else 5.0)
 
 
@@ -244,18 +249,24 @@ def test_the_buffers_interface_is_read_once_per_consume() -> None:
     assert buf.reads == before + 2
 
 
-@pytest.mark.usefixtures("_lean")
-def test_a_complete_consume_builds_no_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The lean path is taken (else this test proves nothing about it), and it
-    gives what the full row gives: the tracked array's view, naming no stream."""
-    built: list[object] = []
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The TRACKED_HOST rows built from here on (none: the lean path)."""
+    rows: list[object] = []
     real = _consume._TrackedHost.__init__
 
     def counted(self: Any, *args: Any) -> None:
-        built.append(self)
+        rows.append(self)
         real(self, *args)
 
     monkeypatch.setattr(_consume._TrackedHost, "__init__", counted)
+    return rows
+
+
+@pytest.mark.usefixtures("_lean")
+def test_a_complete_consume_builds_no_handoff(built: list[object]) -> None:
+    """The lean path is taken (else this test proves nothing about it), and it
+    gives what the full row gives: the tracked array's view, naming no stream."""
     t = cs.track(sim.asarray(np.zeros(64, np.float32)))
     view = cs.consume_blocking(t)
     assert asyncio.run(cs.consume(t)) is view
@@ -353,18 +364,10 @@ def test_a_kept_error_does_not_keep_the_array(cause: str, how: str) -> None:
 
 @pytest.mark.usefixtures("_lean")
 def test_an_array_tracked_while_its_interface_named_a_stream_takes_the_lean_path(
-    monkeypatch: pytest.MonkeyPatch,
+    built: list[object],
 ) -> None:
     """``t.view`` keeps the stream the interface named at ``track()``; a complete
     consume still returns at once, with a view naming no stream (the row's)."""
-    built: list[object] = []
-    real = _consume._TrackedHost.__init__
-
-    def counted(self: Any, *args: Any) -> None:
-        built.append(self)
-        real(self, *args)
-
-    monkeypatch.setattr(_consume._TrackedHost, "__init__", counted)
     s = cs.Stream()
     buf = sim.asarray(np.zeros(64, np.float32))
     buf.stream = s.handle
