@@ -38,6 +38,13 @@ SHORT = 0.03
 LONG = 10.0
 
 
+@pytest.fixture(autouse=True)
+def _on_sim() -> None:
+    """Every test here runs on the simulator (under CAI_STREAMS_SIM_DECOY=1 too;
+    conftest restores the default backend after each)."""
+    cs.use_backend("sim")
+
+
 class _Block:
     """Another thread's ``writing(s)`` block of ``t``, open until ``end``."""
 
@@ -87,7 +94,6 @@ OPS = st.lists(
 def test_a_host_consume_returns_iff_nothing_holds_it(
     program: list[tuple[Any, ...]], sanitized: bool
 ) -> None:
-    cs.use_backend("sim")
     ops = SimOps()
     streams = [cs.Stream(), cs.Stream()]
     own = cs.Stream()
