@@ -72,6 +72,8 @@ class Buffer(Protocol):
 
     def _locked(self) -> AbstractContextManager[None]: ...
 
+    def unfenced_on(self, key: StreamId) -> bool: ...
+
 
 class Access:
     """The work of one stream on one buffer (see the module docstring).
@@ -92,7 +94,6 @@ class Access:
         "pool",
         "state",
         "stream",
-        "unfenced",
         "waited_by",
         "work",
     )
@@ -112,10 +113,16 @@ class Access:
         self.pins = 0
         self.pool: EventPool | None = None  # the pool of the event's device, once recorded
         self.waited_by: set[StreamId] = set()
-        #: a captured record that also stands for a block's ordinary work from
-        #: before its capture began, not recorded yet (``PendingWork._fence``):
-        #: nothing can wait for it (``_capture_guard``) until that record is made
-        self.unfenced = False
+
+    @property
+    def unfenced(self) -> bool:
+        """A record made in a capture, on a stream where a block of this buffer
+        left ordinary work unrecorded when that stream last captured
+        (``PendingWork._fence``): it stands for that work too, and nothing can
+        wait for it (``_capture_guard``) until the work is recorded. Any such
+        record counts, also one that replaced the block's own in the list."""
+        mark = self.mark
+        return mark is not None and mark.captured and self.work.unfenced_on(self.key)
 
     @classmethod
     def recorded(

@@ -54,7 +54,6 @@ class OpenBlock:
         "kind",
         "name",
         "owner",
-        "record",
         "stream",
     )
 
@@ -79,9 +78,6 @@ class OpenBlock:
         #: that capture, if this library began it (``_capture.under_way``): one
         #: that ends in the block and another that begins in it tell apart
         self.capture = capture
-        #: its record, once it ended (kept only while a capture begun in it
-        #: leaves its earlier work to fence: ``_pending``)
-        self.record: Access | None = None
         self.kind = kind
         self.disjoint = disjoint
         self.group = group

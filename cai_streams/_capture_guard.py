@@ -274,9 +274,11 @@ class PendingAccess(Protocol):
     mark: Mark | None
     #: the event recorded at ``mark`` (0 until recorded)
     event: int
-    #: a captured record standing for ordinary work not recorded yet: its
-    #: stream captured when last asked, whatever it does now (``_pending``)
-    unfenced: bool
+
+    @property
+    def unfenced(self) -> bool:
+        """A captured record standing for ordinary work not recorded yet: its
+        stream captured when last asked, whatever it does now (``_pending``)."""
 
     def is_complete(self) -> bool: ...
 

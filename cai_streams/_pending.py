@@ -223,8 +223,8 @@ class PendingWork:
         capturing when it ended, has only a captured record: its work enqueued
         before the capture began is ordinary, pending on the stream, and no
         record of it could be made. Once that capture is over, an ordinary
-        record now covers it (and what followed); until then the captured
-        record is marked ``unfenced`` and nothing waits for it (a host wait, or
+        record now covers it (and what followed); until then its captured
+        records are ``unfenced`` and nothing waits for them (a host wait, or
         a stream outside the capture, raises CaptureError), even if the capture
         ends between this ask and theirs: one ask decides. A stream closed or
         destroyed since can take no record: nothing more can be waited for
@@ -245,14 +245,18 @@ class PendingWork:
                     continue  # a capture began since the ask: this record is in it
             # recorded; or gone (destroyed or closed): nothing more can wait there
             self.unfenced.remove(block)
-            if block.record is not None:
-                block.record.unfenced = False
-                block.record = None
             lifetime = block.stream._lifetime
             if lifetime is not None and all(
                 b.stream._lifetime is not lifetime for b in self.unfenced
             ):
                 lifetime.forget(self)
+
+    def unfenced_on(self, key: StreamId) -> bool:
+        """Whether a block on ``key``'s stream is left to fence (its captured
+        records then stand for unrecorded work too: ``Access.unfenced``). Read
+        without the lock: a host wait asks after pinning."""
+        blocks = self.unfenced
+        return bool(blocks) and any(b.key == key for b in blocks)
 
     def stream_closing(self) -> None:
         """The library's stream of a block left to fence is about to be
@@ -325,8 +329,12 @@ class PendingWork:
                 return  # already open: it covers this consumer's work as well
         self._add(Access.lazy(self, stream, key))
         open_reads = [a for a in self.reads if a.state is AccessState.LAZY]
-        if len(open_reads) > MAX_OPEN_READS:  # (its stream capturing: one more, for now)
-            self._materialize_outside_capture(open_reads[0])
+        excess = len(open_reads) - MAX_OPEN_READS
+        for a in open_reads:  # the oldest first, skipping those whose stream captures
+            if excess <= 0:
+                break
+            if self._materialize_outside_capture(a):
+                excess -= 1
 
     def _materialize_outside_capture(self, a: Access) -> bool:
         """Record the lazy ``a`` now, unless its stream captures (or this
@@ -421,8 +429,6 @@ class PendingWork:
                 self._add(new)
                 if new.mark is not None and new.mark.captured and self._began_in(block):
                     block.covered = []  # (released: nothing of them is needed any more)
-                    block.record = new
-                    new.unfenced = True  # nothing waits for it until it is fenced
                     self.unfenced.append(block)  # a capture began in it (see _fence)
                     lifetime = block.stream._lifetime
                     if lifetime is not None:  # (False: closing now; then it is gone)

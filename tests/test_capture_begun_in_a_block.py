@@ -36,9 +36,6 @@ def _as_before(mp: pytest.MonkeyPatch) -> None:
     record is taken as it is)."""
 
     def no_fence(self: PendingWork) -> None:
-        for block in self.unfenced:
-            if block.record is not None:
-                block.record.unfenced = False
         self.unfenced = []
 
     mp.setattr(PendingWork, "_fence", no_fence)
@@ -362,3 +359,34 @@ def test_a_block_opened_in_one_capture_that_ends_and_another_that_begins_in_it(
     seen = ops.to_host(t.array)
     _let_go(latch, s, graph)
     _check_the_fill_was_waited_for(ops, t, control, returned, seen)
+
+
+def test_a_captured_record_that_replaced_the_blocks_own_still_refuses_the_host_wait(
+    ops: DeviceOps,
+) -> None:
+    """Still in the capture begun in a block, a second block on the stream (opened
+    in the capture) ends: its captured record replaces the first's in the
+    array's writes. It stands for the first block's unrecorded fill as well:
+    with the fence's ask stale (the capture ended after it), the host wait
+    raises rather than take it for done; asked again, it waits for the fill."""
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    latch = ops.latch(s)
+    with t.writing(s):
+        ops.fill(s, t.array, 7.0)
+        s.begin_capture("relaxed")
+        ops.add(s, t.array, 1.0)
+    with t.writing(s):  # opened in the capture
+        ops.add(s, t.array, 1.0)
+    (write,) = t._work.writes
+    assert write.unfenced  # (the second block's record: it replaced the first's)
+    graph = s.end_capture()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            _fence_asks_stale(mp, StreamPhase.CAPTURING)
+            with pytest.raises(cs.CaptureError):
+                cs.consume_blocking(t, timeout=0.2)
+        assert not consume_returns(t, 0.2)
+    finally:
+        _let_go(latch, s, graph)
+    _sees_the_fill(ops, t)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import cai_streams as cs
-from cai_streams._access import Access
+from cai_streams._access import Access, AccessState
 from cai_streams._pending import MAX_OPEN_READS, PendingWork
 
 from .device_ops import DeviceOps
@@ -100,3 +100,24 @@ def test_settling_does_not_record_a_capturing_consumers_read(ops: DeviceOps, con
     graph.close()
     assert not settled
     assert (ops.to_host(out) == (9.0 if control else 5.0)).all()
+
+
+def test_the_open_reads_bound_holds_while_the_oldest_reads_stream_captures(
+    ops: DeviceOps,
+) -> None:
+    """The oldest open read's stream captures: newer consumers' reads are
+    recorded in its place, so the open reads stay within the bound (they grew
+    by one per consumer when only the oldest was tried)."""
+    s = cs.Stream()
+    others = [cs.Stream() for _ in range(3 * MAX_OPEN_READS)]
+    t = cs.track(ops.array(np.full(64, 5.0, np.float32)))
+    cs.consume_blocking(t, stream=s)  # the oldest open read
+    s.begin_capture("relaxed")
+    try:
+        for o in others:
+            cs.consume_blocking(t, stream=o)
+        open_reads = [a for a in t._work.reads if a.state is AccessState.LAZY]
+        assert len(open_reads) <= MAX_OPEN_READS
+        assert open_reads[0].key == s._key()  # (its stream captures: still open)
+    finally:
+        s.end_capture().close()
