@@ -210,6 +210,12 @@ class Lifetime:
             listeners, self._listeners = self._listeners, fresh
         return listeners
 
+    @property
+    def ending(self) -> bool:
+        """Its close has begun (the listeners were handed over) and the stream
+        still exists: they record on it now."""
+        return self._closing and not self.closed
+
     def close(self) -> None:
         """The stream is closed: its handle no longer names it."""
         self._closing = True

@@ -232,20 +232,22 @@ class PendingWork:
         :meth:`stream_closing`). A bare handle destroyed and made again for
         another stream cannot be told apart from the first (``docs/capture.md``)."""
         for block in list(self.unfenced):  # (a record that raises leaves the rest)
-            phase = StreamPhase.GONE
-            if not block.stream.closed:
+            stream, phase = block.stream, StreamPhase.GONE
+            lifetime = stream._lifetime
+            if lifetime is not None and lifetime.ending:  # closing: it records first
+                stream = stream._while_ending()  # (its own wrapper may say closed)
+            if not stream.closed:
                 phase = _capture_guard.stream_phase(self.backend, block.key)
             if phase is StreamPhase.CAPTURING or phase is StreamPhase.UNNAMED:
                 continue  # (unnamed: another thread's handle 2; that thread asks)
             if phase is StreamPhase.NOT_CAPTURING:
-                new = Access.recorded(self, block.kind, block.stream, block.key, block.disjoint)
+                new = Access.recorded(self, block.kind, stream, block.key, block.disjoint)
                 new.group = block.group
                 self._add(new)
                 if new.mark is not None and new.mark.captured:
                     continue  # a capture began since the ask: this record is in it
             # recorded; or gone (destroyed or closed): nothing more can wait there
             self.unfenced.remove(block)
-            lifetime = block.stream._lifetime
             if lifetime is not None and all(
                 b.stream._lifetime is not lifetime for b in self.unfenced
             ):

@@ -206,6 +206,20 @@ class Stream:
         other._id = self._id
         return other
 
+    def _while_ending(self) -> Stream:
+        """A borrowed wrapper of this very stream for what records on it while
+        its close runs (in a garbage collection this wrapper says closed first,
+        and its listeners record later, before the stream is destroyed)."""
+        other = Stream.__new__(Stream)
+        other._backend = self._backend
+        other._handle = self._handle
+        other._owned = False
+        other._closed = False
+        other._keepalive = None
+        other._lifetime = self._lifetime
+        other._id = self._id
+        return other
+
     @property
     def handle(self) -> int:
         """The handle as it goes into a CAI ``stream`` entry."""

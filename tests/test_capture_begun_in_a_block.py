@@ -11,6 +11,7 @@ fill is still held by a latch, a consumer stream that copies before the fill.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 import cai_streams as cs
 from cai_streams import _capture_guard
 from cai_streams._capture_guard import StreamPhase
+from cai_streams._identity import Lifetime
 from cai_streams._pending import PendingWork
 
 from .device_ops import DeviceOps, consume_returns
@@ -390,3 +392,40 @@ def test_a_captured_record_that_replaced_the_blocks_own_still_refuses_the_host_w
     finally:
         _let_go(latch, s, graph)
     _sees_the_fill(ops, t)
+
+
+class _ClosesInGC:
+    """A user object in a reference cycle whose finalizer closes its stream:
+    the close runs inside a garbage collection, so its wrapper says closed at
+    once and what listens records at the next library call."""
+
+    def __init__(self, s: cs.Stream) -> None:
+        self.s = s
+        self.me = self
+
+    def __del__(self) -> None:
+        self.s.close()
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["recorded", "control"])
+def test_a_stream_closed_in_a_garbage_collection_records_the_blocks_work_first(
+    ops: DeviceOps, control: bool
+) -> None:
+    """As above, with the close in a finalizer: the fence records on the stream
+    while its close runs, though its wrapper already says closed. The control
+    (the close taken as already over) returned under the held fill."""
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(64, np.float32)))
+    latch, graph = _filled_then_captured(ops, s, t)
+    graph.close()
+    with pytest.MonkeyPatch.context() as mp:
+        if control:
+            mp.setattr(Lifetime, "ending", property(lambda self: False))
+        _ClosesInGC(s)
+        gc.collect()
+        assert s.closed
+        returned = consume_returns(t, 0.2)
+        seen = ops.to_host(t.array)
+    latch.release()
+    _check_the_fill_was_waited_for(ops, t, control, returned, seen)
+    assert t._work.unfenced == []
