@@ -196,26 +196,19 @@ class Stream:
 
     def _borrowed(self, keepalive: object) -> Stream:
         """A borrowed wrapper of this very stream (same identity)."""
-        other = Stream.__new__(Stream)
-        other._backend = self._backend
-        other._handle = self.handle  # a closed stream cannot be borrowed
-        other._owned = False
-        other._closed = False
-        other._keepalive = keepalive
-        other._lifetime = self._lifetime
-        other._id = self._id
-        return other
+        self.handle  # noqa: B018 - a closed stream cannot be borrowed
+        return self._while_ending(keepalive)
 
-    def _while_ending(self) -> Stream:
-        """A borrowed wrapper of this very stream for what records on it while
-        its close runs (in a garbage collection this wrapper says closed first,
-        and its listeners record later, before the stream is destroyed)."""
+    def _while_ending(self, keepalive: object = None) -> Stream:
+        """A borrowed wrapper of this very stream, also for what records on it
+        while its close runs (in a garbage collection this wrapper says closed
+        first, and its listeners record later, before the stream is destroyed)."""
         other = Stream.__new__(Stream)
         other._backend = self._backend
         other._handle = self._handle
         other._owned = False
         other._closed = False
-        other._keepalive = None
+        other._keepalive = keepalive
         other._lifetime = self._lifetime
         other._id = self._id
         return other

@@ -92,16 +92,22 @@ def _host_skips_before(backend: cs.Backend, access: Any, what: str) -> bool:
     )
 
 
-def _filled_then_captured(ops: DeviceOps, s: cs.Stream, t: cs.TrackedArray) -> tuple[Any, Any]:
+def _filled_then_capturing(ops: DeviceOps, s: cs.Stream, t: cs.TrackedArray) -> Any:
     """In a ``writing(s)`` block: a fill of 7 held by a latch (ordinary), then a
     capture begins on ``s`` and adds 1 (captured). The block ends while the
-    capture is under way; the capture ends after it. Returns the latch and the
-    graph (to close)."""
+    capture is under way. Returns the latch."""
     latch = ops.latch(s)
     with t.writing(s):
         ops.fill(s, t.array, 7.0)
         s.begin_capture("relaxed")
         ops.add(s, t.array, 1.0)
+    return latch
+
+
+def _filled_then_captured(ops: DeviceOps, s: cs.Stream, t: cs.TrackedArray) -> tuple[Any, Any]:
+    """:func:`_filled_then_capturing`, and the capture ends after the block.
+    Returns the latch and the graph (to close)."""
+    latch = _filled_then_capturing(ops, s, t)
     return latch, s.end_capture()
 
 
@@ -150,11 +156,7 @@ def test_while_the_capture_is_under_way_a_host_consume_raises_and_keeps_it(
     (CaptureError, as for any captured write), and the capture survives."""
     s = cs.Stream()
     t = cs.track(ops.array(np.zeros(64, np.float32)))
-    latch = ops.latch(s)
-    with t.writing(s):
-        ops.fill(s, t.array, 7.0)
-        s.begin_capture("relaxed")
-        ops.add(s, t.array, 1.0)
+    latch = _filled_then_capturing(ops, s, t)
     try:
         with pytest.raises(cs.CaptureError):
             cs.consume_blocking(t, timeout=0.2)
@@ -296,22 +298,32 @@ def test_a_borrowed_stream_destroyed_after_the_capture_is_let_go(
     assert t._work.unfenced == []
 
 
+@pytest.mark.parametrize("how", ["close", "finalizer"])
 @pytest.mark.parametrize("control", [False, True], ids=["recorded", "control"])
 def test_closing_the_stream_after_the_capture_records_the_blocks_work_first(
-    ops: DeviceOps, control: bool
+    ops: DeviceOps, control: bool, how: str
 ) -> None:
     """The block's stream, one of the library's, is closed once the capture is
     over, before the array's next use: closing records first, so a host consume
-    still waits for the held fill. The control (nothing listening) returned
-    under it."""
+    still waits for the held fill. With the close in a finalizer, the fence
+    records while the close runs, though the wrapper already says closed. The
+    controls (nothing listening; the close taken as already over) returned
+    under the held fill."""
     s = cs.Stream()
     t = cs.track(ops.array(np.zeros(64, np.float32)))
     latch, graph = _filled_then_captured(ops, s, t)
     graph.close()
     with pytest.MonkeyPatch.context() as mp:
-        if control:
+        if control and how == "close":
             mp.setattr(PendingWork, "stream_closing", lambda self: None)
-        s.close()
+        elif control:
+            mp.setattr(Lifetime, "ending", property(lambda self: False))
+        if how == "close":
+            s.close()
+        else:
+            _ClosesInGC(s)
+            gc.collect()
+        assert s.closed
         returned = consume_returns(t, 0.2)
         seen = ops.to_host(t.array)
     latch.release()
@@ -373,11 +385,7 @@ def test_a_captured_record_that_replaced_the_blocks_own_still_refuses_the_host_w
     raises rather than take it for done; asked again, it waits for the fill."""
     s = cs.Stream()
     t = cs.track(ops.array(np.zeros(64, np.float32)))
-    latch = ops.latch(s)
-    with t.writing(s):
-        ops.fill(s, t.array, 7.0)
-        s.begin_capture("relaxed")
-        ops.add(s, t.array, 1.0)
+    latch = _filled_then_capturing(ops, s, t)
     with t.writing(s):  # opened in the capture
         ops.add(s, t.array, 1.0)
     (write,) = t._work.writes
@@ -405,27 +413,3 @@ class _ClosesInGC:
 
     def __del__(self) -> None:
         self.s.close()
-
-
-@pytest.mark.parametrize("control", [False, True], ids=["recorded", "control"])
-def test_a_stream_closed_in_a_garbage_collection_records_the_blocks_work_first(
-    ops: DeviceOps, control: bool
-) -> None:
-    """As above, with the close in a finalizer: the fence records on the stream
-    while its close runs, though its wrapper already says closed. The control
-    (the close taken as already over) returned under the held fill."""
-    s = cs.Stream()
-    t = cs.track(ops.array(np.zeros(64, np.float32)))
-    latch, graph = _filled_then_captured(ops, s, t)
-    graph.close()
-    with pytest.MonkeyPatch.context() as mp:
-        if control:
-            mp.setattr(Lifetime, "ending", property(lambda self: False))
-        _ClosesInGC(s)
-        gc.collect()
-        assert s.closed
-        returned = consume_returns(t, 0.2)
-        seen = ops.to_host(t.array)
-    latch.release()
-    _check_the_fill_was_waited_for(ops, t, control, returned, seen)
-    assert t._work.unfenced == []
