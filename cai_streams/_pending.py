@@ -235,7 +235,7 @@ class PendingWork:
             stream, phase = block.stream, StreamPhase.GONE
             lifetime = stream._lifetime
             if lifetime is not None and lifetime.ending:  # closing: it records first
-                stream = stream._while_ending()  # (its own wrapper may say closed)
+                stream = stream._same_stream()  # (its own wrapper may say closed)
             if not stream.closed:
                 phase = _capture_guard.stream_phase(self.backend, block.key)
             if phase is StreamPhase.CAPTURING or phase is StreamPhase.UNNAMED:
@@ -262,8 +262,8 @@ class PendingWork:
 
     def stream_closing(self) -> None:
         """The library's stream of a block left to fence is about to be
-        destroyed (``leave`` listens): record on it now, while it exists (it
-        cannot be capturing: a capturing stream refuses to close)."""
+        destroyed (``leave`` listens): record on it now, while it exists
+        (``close()`` refuses a capturing stream; the fence asks all the same)."""
         with self._locked():
             self._fence()
 

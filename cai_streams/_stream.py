@@ -197,12 +197,13 @@ class Stream:
     def _borrowed(self, keepalive: object) -> Stream:
         """A borrowed wrapper of this very stream (same identity)."""
         self.handle  # noqa: B018 - a closed stream cannot be borrowed
-        return self._while_ending(keepalive)
+        return self._same_stream(keepalive)
 
-    def _while_ending(self, keepalive: object = None) -> Stream:
-        """A borrowed wrapper of this very stream, also for what records on it
-        while its close runs (in a garbage collection this wrapper says closed
-        first, and its listeners record later, before the stream is destroyed)."""
+    def _same_stream(self, keepalive: object = None) -> Stream:
+        """A borrowed wrapper of this very stream, unchecked: also for what
+        records on it while its close runs (in a garbage collection this
+        wrapper says closed first, and its listeners record later, before the
+        stream is destroyed)."""
         other = Stream.__new__(Stream)
         other._backend = self._backend
         other._handle = self._handle
