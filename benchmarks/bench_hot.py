@@ -9,6 +9,19 @@ of (cost / floor), the two measured back to back.
 The ``await consume`` rows (no goal in the issue) are the same handoffs from
 a task under asyncio, beside the same floors plus the one checkpoint every
 await consume is (``asyncio.sleep(0)``): what the async API adds.
+
+Beside three rows, ``required``: the steps no handoff of that kind can skip
+without dropping a guarantee, made back to back with no bookkeeping between
+them, and their ratio to the same floor (measured in the same repeats). A
+goal below that ratio cannot be met by trimming bookkeeping. Parse: read the
+dict, find its cached layout, fill a view in, check nothing. Enqueue: read
+and parse the interface (a malformed one must raise), ask the consumer's and
+the producer's stream whether they capture (a join across a capture
+invalidates it or must raise), the record and the wait. Untracked host: read
+and parse, ask the producer's stream whether it captures (a query of a
+capturing stream invalidates the capture), and the query inside a relaxed
+capture scope (in the global mode a query invalidates another thread's
+capture): two mode exchanges.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and the proj
 import cai_streams as cs  # noqa: E402
 from benchmarks.bench_interface import V3Producer  # noqa: E402
 from cai_streams import sim  # noqa: E402
-from cai_streams._interface import parse  # noqa: E402
+from cai_streams._interface import _key_of, _layouts, _make, parse, parse_read  # noqa: E402
 
 #: the goals of issue #20: (case, ratio it must stay within)
 GOALS = {
@@ -58,8 +71,11 @@ def per_await_us(make: Callable[[], Awaitable[object]], n: int) -> float:
     return asyncio.run(run())
 
 
-def cases() -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
-    """(measured, floor) per case, on the simulator."""
+Case = tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any] | None]
+
+
+def cases() -> dict[str, Case]:
+    """(measured, floor, required or None) per case, on the simulator."""
     cs.use_backend("sim")
     backend = cs.current_backend()
     v3 = V3Producer()
@@ -83,44 +99,88 @@ def cases() -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
         floor()
         await asyncio.sleep(0)
 
+    parse(v3)  # (its layout cached, as in the measured row)
+
+    def parse_unchecked() -> object:
+        cai = v3.__cuda_array_interface__
+        shape, strides, dtype, size, nbytes, *_ = _layouts[_key_of(cai)]
+        ptr, readonly = cai["data"]
+        return _make(
+            ptr, shape, strides, dtype, cai["typestr"], readonly, size, nbytes, 3, None,
+            cai["stream"], v3,
+        )  # fmt: skip
+
+    def enqueue_required() -> None:
+        view = parse_read(arr, arr.__cuda_array_interface__)
+        backend.capture_status(mine.handle)
+        backend.capture_status(view.stream)  # type: ignore[arg-type]
+        record_wait()
+
+    def host_required() -> None:
+        view = parse_read(idle, idle.__cuda_array_interface__)
+        backend.capture_status(view.stream)  # type: ignore[arg-type]
+        mode = backend.exchange_capture_mode("relaxed")
+        try:
+            backend.query_stream(view.stream)  # type: ignore[arg-type]
+        finally:
+            backend.exchange_capture_mode(mode)
+
     return {
-        "parse, CuPy-style v3 dict": (lambda: parse(v3), lambda: v3.__cuda_array_interface__),
+        "parse, CuPy-style v3 dict": (
+            lambda: parse(v3),
+            lambda: v3.__cuda_array_interface__,
+            parse_unchecked,
+        ),
         "consume_blocking(arr, stream=s)": (
             lambda: cs.consume_blocking(arr, stream=mine),
             record_wait,
+            enqueue_required,
         ),
         "consume_blocking(t), tracked, complete": (
             lambda: cs.consume_blocking(tracked),
             lambda: read_query(arr),
+            None,
         ),
         "consume_blocking(arr), untracked, idle stream": (
             lambda: cs.consume_blocking(idle),
             lambda: read_query(idle),
+            host_required,
         ),
         "await consume(arr, stream=s)": (
             lambda: cs.consume(arr, stream=mine),
             lambda: checkpointed(record_wait),
+            None,
         ),
         "await consume(t), tracked, complete": (
             lambda: cs.consume(tracked),
             lambda: checkpointed(lambda: read_query(arr)),
+            None,
         ),
     }
 
 
-def main(repeats: int, n: int) -> list[tuple[str, float, float, float]]:
-    rows = []
-    for case, (fn, floor) in cases().items():
+Row = tuple[str, float, float, float, float | None]
+
+
+def main(repeats: int, n: int) -> list[Row]:
+    """(case, µs, floor µs, ratio, required's ratio or None) per case: medians."""
+    rows: list[Row] = []
+    for case, (fn, floor, required) in cases().items():
         measure = per_await_us if case.startswith("await") else per_call_us
         measure(fn, 1), measure(floor, 1)  # warm: caches, pools
-        us, base, ratio = [], [], []
+        if required is not None:
+            measure(required, 1)
+        us, base, ratio, need = [], [], [], []
         for _ in range(repeats):
             a, b = measure(fn, n), measure(floor, n)
             us.append(a)
             base.append(b)
             ratio.append(a / b)
+            if required is not None:  # (beside the same floor, in the same repeat)
+                need.append(measure(required, n) / b)
+        least = statistics.median(need) if need else None
         rows.append(
-            (case, statistics.median(us), statistics.median(base), statistics.median(ratio))
+            (case, statistics.median(us), statistics.median(base), statistics.median(ratio), least)
         )
     return rows
 
@@ -130,7 +190,8 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("-n", type=int, default=2000, help="calls per repeat")
     args = parser.parse_args()
-    print(f"{'case':48} {'us/call':>8} {'floor':>8} {'ratio':>6} {'goal':>5}")
-    for case, us, floor, ratio in main(args.repeats, args.n):
+    print(f"{'case':48} {'us/call':>8} {'floor':>8} {'ratio':>6} {'goal':>5} {'required':>8}")
+    for case, us, floor, ratio, least in main(args.repeats, args.n):
         goal = f"{GOALS[case]:5.1f}" if case in GOALS else "    -"
-        print(f"{case:48} {us:8.2f} {floor:8.2f} {ratio:6.2f} {goal}")
+        need = "       -" if least is None else f"{least:8.2f}"
+        print(f"{case:48} {us:8.2f} {floor:8.2f} {ratio:6.2f} {goal} {need}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_consume, cuda_handoff, cuda_pipeline, cuda_run, cuda_waiting
+from benchmarks import bench_consume, bench_hot, cuda_handoff, cuda_pipeline, cuda_run, cuda_waiting
 from benchmarks.report import note_row
 from cai_streams._backend import _backend_class
 
@@ -55,6 +55,15 @@ def test_quick_run_reports_every_peer(tmp_path: Path) -> None:
         for figure in r["figures"].values():
             assert set(figure) == {"median", "spread"}
     assert (tmp_path / report_file.name.replace(".json", ".png")).exists()
+
+
+def test_hot_path_rows_each_have_a_floor_and_the_required_steps_run() -> None:
+    rows = bench_hot.main(repeats=1, n=5)
+    assert {case for case, *_ in rows} >= set(bench_hot.GOALS)
+    for case, us, floor, ratio, least in rows:
+        assert us > 0 and floor > 0 and ratio > 0, case
+        # a required ratio for each unmet goal's row (parse, enqueue, untracked host)
+        assert (least is not None) == (case in bench_hot.GOALS and "tracked, complete" not in case)
 
 
 def test_cuda_says_what_is_missing() -> None:
