@@ -50,7 +50,7 @@ from ._errors import CaptureError, CudaError, CudaWarning, KernelError
 from ._events import EventPool, Mark, lone, pool_for, record
 from ._hold_table import Hold, Ranges, table, tick
 from ._identity import Lifetime, StreamId, is_open, lifetime_of, thread_serial
-from ._interface import ArrayView, byte_range, parse
+from ._interface import ArrayView, _set_leases, byte_range, parse
 from ._stream import Stream, as_stream
 
 __all__ = ["LeaseState", "ViewLease", "hold", "hold_view_owner", "view_done"]
@@ -667,6 +667,7 @@ def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
         lease.nbytes = max(lease.nbytes, view.nbytes)
         ref = ViewLease(view, lease)
         lease.refs[id(ref)] = ref
+        _set_leases(view, (*view._leases, ref))
         if _observe.active:
             ranges = _view_ranges(view)
             lease.ranges += tuple(r for r in ranges if r not in lease.ranges)
@@ -679,6 +680,22 @@ def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
                 lease._end(LeaseState.DROPPED)  # (the owner may go: outside the index lock)
         return None
     return ref
+
+
+def join_leases(source: ArrayView, derived: ArrayView) -> None:
+    """``derived`` was made from ``source`` (``with_stream``): it joins each
+    lease still counting ``source``, so the owner is held until each stream
+    passes the work enqueued while ``derived`` is in use too. A lease whose
+    ``consuming()`` block ended, or that recorded already, is not joined."""
+    for ref in source._leases:
+        lease = ref.lease
+        with lease._lock, _in_use_lock:  # (as settle: no record in between)
+            if ref.use is not _Use.COUNTED or lease.state is not LeaseState.IN_USE:
+                continue
+            lease.views += 1
+            joined = ViewLease(derived, lease)
+            lease.refs[id(joined)] = joined
+            _set_leases(derived, (*derived._leases, joined))
 
 
 def view_done(view: ArrayView, stream: Stream, lease: ViewLease | None) -> None:

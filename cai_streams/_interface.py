@@ -73,11 +73,12 @@ def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: 
 
 class _ViewSlots:
     """The storage of an :class:`ArrayView`: plain slots, so that filling in a
-    new view is thirteen specialized stores (see :func:`_make`)."""
+    new view is fourteen specialized stores (see :func:`_make`)."""
 
     __slots__ = (
         "__weakref__",
         "_cai",
+        "_leases",
         "dtype",
         "mask",
         "nbytes",
@@ -105,6 +106,9 @@ class _ViewSlots:
     stream: int | None
     owner: object
     _cai: dict[str, Any] | None
+    #: the view's leases (``_hold.ViewLease``): one per stream it was handed
+    #: to; a view made from it with ``with_stream`` joins each still counting it
+    _leases: tuple[Any, ...]
 
 
 class ArrayView(_ViewSlots):
@@ -128,10 +132,20 @@ class ArrayView(_ViewSlots):
         raise AttributeError(f"ArrayView is frozen: cannot delete {name!r}")
 
     def with_stream(self, stream: int | None) -> ArrayView:
-        """The same view with another ``stream`` entry."""
+        """The same view with another ``stream`` entry. Only bookkeeping.
+
+        A view handed to a stream (``consume(obj, stream=s)``) keeps its owner
+        until ``s`` has passed the work enqueued while it is in use; the view
+        made here counts as in use too, for as long as it lives (hand it to
+        CuPy or Numba and enqueue on ``s``: the owner outlives that work)."""
         if stream == self.stream:
             return self
-        return self._replace(stream, self.owner)
+        view = self._replace(stream, self.owner)
+        if self._leases:
+            from ._hold import join_leases  # (only for a view handed to a stream)
+
+            join_leases(self, view)
+        return view
 
     def _with_owner(self, owner: object) -> ArrayView:
         """The same view keeping ``owner`` alive instead (None: nothing)."""
@@ -243,6 +257,7 @@ class ArrayView(_ViewSlots):
 
 
 _set_cai = _ViewSlots.__dict__["_cai"].__set__  # the cached export, once made
+_set_leases = _ViewSlots.__dict__["_leases"].__set__  # (``_hold``, under its lock)
 
 
 class _Filling(_ViewSlots):
@@ -281,6 +296,7 @@ def _make(
     view.stream = stream
     view.owner = owner
     view._cai = None
+    view._leases = ()
     view.__class__ = ArrayView  # type: ignore[assignment]
     return view  # type: ignore[return-value]
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import cai_streams as cs
+from cai_streams import _hold
 
 from .device_ops import DeviceOps
 
@@ -172,3 +173,41 @@ def test_readers_on_three_streams_of_a_dropped_owner_read_its_data_only_if_held(
     expected = 2.0 if keep == "nothing" else 1.0
     for out in outs:
         np.testing.assert_array_equal(ops.to_host(out), expected)
+
+
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "control-not-joined"])
+def test_a_view_made_from_a_handed_view_keeps_the_owner_while_in_use(
+    ops: DeviceOps, joined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``docs/interop.md`` hands ``view.with_stream(None)`` to CuPy. Here the
+    view it was made from goes first (its hold is recorded, and the stream
+    passes it), then a reader of the derived view is enqueued and the derived
+    view dropped: the owner must live until the stream passes that reader.
+    The control (a derived view that joins no lease): the reader reads the
+    next allocation's data."""
+    if not joined:
+        monkeypatch.setattr(_hold, "join_leases", lambda source, derived: None)
+    c = cs.Stream()
+    a = ops.array(np.full(1000, 1.0, np.float32))
+    ptr = _ptr(a)
+    out = ops.array(np.zeros(1000, np.float32))
+    with cs.sanitize(False):  # the control races on purpose
+        view = cs.consume_blocking(a, stream=c)
+        del a
+        derived = view.with_stream(None)
+        del view
+        gc.collect()
+        cs.stats()  # the view's release is settled: merged, or (control) recorded
+        c.synchronize()
+        cs.stats()  # a completed hold is let go
+        latch = ops.latch(c)
+        ops.copy(c, out, derived)  # pending behind the latch
+        del derived
+        gc.collect()
+        cs.stats()
+        cs.stats()
+        b = ops.array(np.full(1000, 2.0, np.float32))
+        assert (_ptr(b) == ptr) is not joined  # a held block is not handed out
+        latch.release()
+        c.synchronize()
+    np.testing.assert_array_equal(ops.to_host(out), 1.0 if joined else 2.0)

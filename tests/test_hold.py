@@ -689,7 +689,7 @@ def test_random_view_lifetimes_keep_each_owner_while_work_enqueued_in_its_views_
     """A random program of handoffs of owners to one stream (at most two at a
     time, new ones made as old ones are let go), views dropped in any order,
     latches enqueued on the stream (a few at a time) and released in any
-    order, sweeps: the oracle says which owners work still pending on the
+    order, views derived from views in use (``with_stream``), sweeps: the oracle says which owners work still pending on the
     stream was enqueued for (while a view of theirs was in use). Such an owner
     must be alive after every step; once everything is released, all are gone.
     (A lease that recorded at its first view's release, not its last, fails.)"""
@@ -708,10 +708,16 @@ def test_random_view_lifetimes_keep_each_owner_while_work_enqueued_in_its_views_
             n = len(refs)
             owners[n] = Box(ops.array(np.zeros(16, np.float32)))
             refs[n] = weakref.ref(owners[n])
-        op = rng.choice(["consume"] * 3 + ["drop"] * 3 + ["latch", "release"] * 2 + ["stats"])
+        op = rng.choice(
+            ["consume"] * 3 + ["drop"] * 3 + ["latch", "release"] * 2 + ["derive", "stats"]
+        )
         if op == "consume":
             i = rng.choice(sorted(owners))
             views.append((i, cs.consume_blocking(owners[i], stream=s)))
+        elif op == "derive" and views:  # what one hands to CuPy (docs/interop.md)
+            i, view = rng.choice(views)
+            views.append((i, view.with_stream(rng.choice([None, 0x5000]))))
+            del view
         elif op == "drop" and views:
             del views[rng.randrange(len(views))]
         elif op == "latch" and len(latches) - passed < 3:
