@@ -195,7 +195,8 @@ def _sync_handoff(attempt: Any, what: str) -> Any:
 
 def _export_work(work: PendingWork, stream: object) -> dict[str, Any]:
     cai = work.layout.__cuda_array_interface__
-    if not settings.export_stream:
+    if not settings.export_stream:  # None always: not the stream the array was tracked on
+        cai["stream"] = None
         return cai
     x = work.export_stream if stream is None else as_stream(stream, work.backend)
     cai["stream"] = _sync_handoff(lambda me: work.try_export(x, me), "export()")

@@ -163,14 +163,22 @@ def test_export_of_an_untracked_object_joins_its_stream() -> None:
     assert cs.export(data, stream=x)["stream"] is None
 
 
-def test_export_stream_opt_out_exports_none_and_joins_nothing() -> None:
+@pytest.mark.parametrize("named", [False, True], ids=["no-stream", "tracked-naming-a-stream"])
+def test_export_stream_opt_out_exports_none_and_joins_nothing(named: bool) -> None:
+    """Every export of a tracked array says None, also of one tracked while its
+    own interface named a stream (a Numba array bound to one, CuPy's)."""
     s = cs.Stream()
-    t = cs.track(sim.empty(4))
+    arr = sim.empty(4)
+    if named:
+        arr.stream = s.handle
+    t = cs.track(arr)
     with t.writing(s):
         SimOps().fill(s, t.array, 1.0, duration=0.01)
     cs.configure(export_stream=False)
     before = cs.stats()
     assert t.__cuda_array_interface__["stream"] is None
+    assert cs.export(t)["stream"] is None
+    assert t.export(cs.Stream())["stream"] is None
     assert cs.stats()["joins"] == before["joins"]
 
 
