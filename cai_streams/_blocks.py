@@ -112,13 +112,14 @@ def wait_block_sync(block: OpenBlock, me: Owner, deadline: float, what: str) -> 
             f"{what} of an array while another task of this thread holds a "
             f"{block.name} block of it across an await: waiting here would never end. {fix}"
         )
-    left = deadline - time.monotonic()
-    if left <= 0 or not block.done.wait(left):
-        raise TimeoutError(  # (a body that waits for this thread, by to_thread say, never ends)
-            f"{what}: another thread's {block.name} block of this array did not end in time "
-            "(if its body waits for this thread, it never will: access the array before "
-            "the block or after it)"
-        )
+    while (left := deadline - time.monotonic()) > 0:
+        if block.done.wait(min(left, threading.TIMEOUT_MAX)):  # (timeout=inf: the longest)
+            return
+    raise TimeoutError(  # (a body that waits for this thread, by to_thread say, never ends)
+        f"{what}: another thread's {block.name} block of this array did not end in time "
+        "(if its body waits for this thread, it never will: access the array before "
+        "the block or after it)"
+    )
 
 
 async def wait_block_async(block: OpenBlock, deadline: float | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import threading
 import time
 import warnings
@@ -611,6 +612,33 @@ async def test_consume_control_a_blocking_wait_stalls_the_loop_for_the_block(
 
     gaps = await _heartbeat_during(block_the_loop)
     assert max(gaps) > BLOCK / 2, max(gaps)
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 1e300, 1e12])
+def test_consume_blocking_with_an_unbounded_timeout_waits_for_another_threads_block(
+    sim_backend: cs.Backend, timeout: float
+) -> None:
+    """A timeout past what a thread wait takes (``threading.TIMEOUT_MAX``) is
+    the longest wait, not an OverflowError; the block's write is seen."""
+    ops = SimOps()
+    t = cs.track(sim.asarray(np.zeros(16)))
+    s = cs.Stream()
+    entered = threading.Event()
+
+    def hold() -> None:
+        with t.writing(s):
+            entered.set()
+            time.sleep(0.05)
+            ops.fill(s, t.array, 3.0)
+
+    th = threading.Thread(target=hold)
+    th.start()
+    try:
+        assert entered.wait(10)
+        view = cs.consume_blocking(t, timeout=timeout)
+        assert (_values(view) == 3).all()
+    finally:
+        th.join(10)
 
 
 async def test_a_task_waits_for_another_tasks_block_held_across_an_await(
