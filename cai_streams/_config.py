@@ -23,8 +23,8 @@ Read when the default backend is chosen (:func:`sim_decoy`). Off by default.
 
 ``CAI_STREAMS_SIM_DEVICES=N``: how many devices the simulator has (default 2,
 at least 1). ``CAI_STREAMS_SIM_SEED`` and ``CAI_STREAMS_SIM_JITTER``: the
-simulator's jitter seed (random when unset) and upper bound in seconds. Read
-when the simulator starts.
+simulator's jitter seed (random when unset) and upper bound in seconds (at
+most 86400, a day). Read when the simulator starts.
 
 ``CAI_STREAMS_HOLD_LIMIT_COUNT=N`` and ``CAI_STREAMS_HOLD_LIMIT_BYTES=N``: how
 many stream-ordered holds (``cs.hold``, views handed to a stream), and how many
@@ -36,7 +36,6 @@ when the first hold is made.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Callable
@@ -96,9 +95,11 @@ def _whole(minimum: int) -> Callable[[str], int | None]:
     return parse
 
 
-def _seconds(value: str) -> float | None:
+def _sim_seconds(value: str) -> float | None:
+    from ._backend._sim import MAX_SIM_SECONDS  # (a stream's worker sleeps it)
+
     number = float(value)
-    return number if math.isfinite(number) and number >= 0 else None
+    return number if 0 <= number <= MAX_SIM_SECONDS else None  # (NaN fails too)
 
 
 def sim_decoy() -> bool:
@@ -118,7 +119,9 @@ def sim_seed() -> int | None:
 
 def sim_jitter(default: float) -> float:
     """``CAI_STREAMS_SIM_JITTER``: the largest random delay per kernel, in seconds."""
-    return _read("CAI_STREAMS_SIM_JITTER", _seconds, default, "a number of seconds >= 0")
+    return _read(
+        "CAI_STREAMS_SIM_JITTER", _sim_seconds, default, "a number of seconds from 0 to 86400"
+    )
 
 
 def backend_name(choices: tuple[str, ...]) -> str | None:

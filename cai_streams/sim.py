@@ -27,7 +27,7 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from . import _backend, _observe, _sanitizer
 from ._backend import _instance
-from ._backend._sim import SimBackend
+from ._backend._sim import SimBackend, check_sim_seconds
 from ._dlpack_export import export_view
 from ._interface import ArrayView, byte_range, extent, parse
 from ._stream import Stream, stream_handle_of
@@ -300,8 +300,8 @@ def launch(
     """
     if not callable(fn):
         raise TypeError(f"launch() needs a callable kernel, got {type(fn).__name__}")
-    if duration is not None and not duration >= 0:
-        raise ValueError(f"duration must be a non-negative number of seconds, got {duration}")
+    if duration is not None:
+        duration = check_sim_seconds("duration", duration)
     backend = _simulator()
     handle = _simulated_stream(stream, backend)
     resolved = tuple(_kernel_arg(a) for a in args)
@@ -366,8 +366,8 @@ def simulated(
     to every kernel); both are restored afterwards, as is the backend that was
     current. Does not block; enqueues nothing.
     """
-    if jitter is not None and not jitter >= 0:
-        raise ValueError(f"jitter must be a non-negative number of seconds, got {jitter!r}")
+    if jitter is not None:
+        jitter = check_sim_seconds("jitter", jitter)
     previous = _backend._current
     sim_device = _simulator()
     saved = (sim_device.jitter, sim_device.seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -82,8 +83,22 @@ def test_launch_rejects_bad_input() -> None:
     s = cs.Stream()
     with pytest.raises(TypeError, match="callable"):
         sim.launch(s, 42)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="duration"):
-        sim.launch(s, print, duration=-1)
+    for bad in (-1, math.nan, math.inf, 1e300, 86400.5):  # (a worker sleeps it: at most a day)
+        with pytest.raises(ValueError, match="duration"):
+            sim.launch(s, print, duration=bad)
+    with pytest.raises(TypeError, match="duration"):
+        sim.launch(s, print, duration="1")  # type: ignore[arg-type]
+    device = sim.device()
+    for bad in (-1, math.inf, 1e300):
+        with pytest.raises(ValueError, match="jitter"):
+            device.jitter = bad
+        with pytest.raises(ValueError, match="jitter"):
+            with sim.simulated(jitter=bad):
+                pass
+    with pytest.raises(TypeError, match="jitter"):
+        device.jitter = True
+    done = s.record()  # the stream's worker is alive: it runs what comes next
+    done.synchronize()
     with pytest.raises(TypeError, match="device arrays"):
         sim.launch(s, print, reads=[np.zeros(3)])
     with pytest.raises(ValueError, match="not a stream of the simulated device"):
@@ -236,6 +251,17 @@ def test_seed_and_jitter_come_from_the_environment() -> None:
         check=True,
     )
     assert out.stdout.split() == ["1234", "0.003"]
+
+
+@pytest.mark.parametrize("raw", ["-1", "nan", "inf", "1e300", "86401"])
+def test_a_jitter_from_the_environment_past_a_day_is_named(
+    raw: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cai_streams import _config
+
+    monkeypatch.setenv("CAI_STREAMS_SIM_JITTER", raw)
+    with pytest.raises(ValueError, match="CAI_STREAMS_SIM_JITTER.*from 0 to 86400"):
+        _config.sim_jitter(0.0005)
 
 
 def test_interpreter_exits_cleanly_with_work_in_flight() -> None:

@@ -41,6 +41,7 @@ What else real CUDA does to programs that get it wrong, modelled here:
 from __future__ import annotations
 
 import itertools
+import numbers
 import random
 import threading
 import time
@@ -60,6 +61,23 @@ __all__ = ["DecoyBackend", "SimBackend", "free_hooks", "kernel_hooks"]
 
 #: default upper bound of the random delay added to each kernel, in seconds
 DEFAULT_JITTER: Final = 0.0005
+#: the longest simulated kernel or jitter, in seconds: a stream's worker sleeps
+#: it (``time.sleep`` refuses a few hundred years); a day is past any test
+MAX_SIM_SECONDS: Final = 86400.0
+
+
+def check_sim_seconds(name: str, value: object) -> float:
+    """``value`` as a simulated kernel's time: a real number of seconds from 0
+    to a day (TypeError, or ValueError naming ``name``, else)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    seconds = float(value)
+    if not 0 <= seconds <= MAX_SIM_SECONDS:  # (NaN fails too)
+        raise ValueError(
+            f"{name} must be from 0 to {MAX_SIM_SECONDS:g} seconds (a day), got {value!r}"
+        )
+    return seconds
+
 
 _Op = tuple[Any, ...]
 
@@ -104,6 +122,16 @@ class SimBackend(Backend):
     def unavailable_reason(cls) -> str | None:
         return None
 
+    @property
+    def jitter(self) -> float:
+        """Upper bound, in seconds, of the random delay added to each kernel
+        (from 0 to a day: ``MAX_SIM_SECONDS``)."""
+        return self._jitter
+
+    @jitter.setter
+    def jitter(self, value: float) -> None:
+        self._jitter = check_sim_seconds("jitter", value)
+
     def __init__(self, *, seed: int | None = None, jitter: float | None = None) -> None:
         from .._config import sim_devices, sim_jitter, sim_seed  # late: _config imports us
 
@@ -115,8 +143,7 @@ class SimBackend(Backend):
             jitter = sim_jitter(DEFAULT_JITTER)
         #: the seed of every stream's jitter sequence
         self.seed: int = seed
-        #: upper bound, in seconds, of the random delay added to each kernel
-        self.jitter: float = float(jitter)
+        self._jitter = check_sim_seconds("jitter", jitter)
         self.closing = False
         self.memory = Memory()
         # Re-entrant: Stream/Event destructors call back into the backend and can
