@@ -144,7 +144,7 @@ class Access:
         return access
 
     def _record(self, on: StreamId | None = None) -> None:
-        self.stream.handle  # noqa: B018 - a closed stream refuses
+        self.stream._open_for_records()  # a closed stream refuses
         key = self.key if on is None else on
         pool = pool_for(self.work.backend, key.device)  # an event of the stream's device
         event = pool.acquire()

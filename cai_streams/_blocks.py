@@ -44,6 +44,7 @@ class OpenBlock:
     """
 
     __slots__ = (
+        "at_close",
         "began_capturing",
         "capture",
         "covered",
@@ -85,6 +86,9 @@ class OpenBlock:
         self.key = key
         self.owner = owner
         self.covered = covered  # what the block's write replaces at exit
+        #: its record, made when its stream closed while it was open (nothing
+        #: can be enqueued there after): its exit adds this one (``_pending``)
+        self.at_close: Access | None = None
         self.done = threading.Event()
 
     def conflicts(self, kind: Kind, disjoint: bool) -> bool:

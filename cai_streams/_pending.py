@@ -31,7 +31,7 @@ from ._backend import Backend
 from ._blocks import Blocked, OpenBlock, Owner
 from ._capture_guard import StreamPhase
 from ._config import settings
-from ._identity import StreamId, stream_id_now
+from ._identity import Lifetime, StreamId, stream_id_now
 from ._interface import ArrayView, byte_range, stream_of
 from ._stream import Stream
 
@@ -248,10 +248,7 @@ class PendingWork:
                     continue  # a capture began since the ask: this record is in it
             # recorded; or gone (destroyed or closed): nothing more can wait there
             self.unfenced.remove(block)
-            if lifetime is not None and all(
-                b.stream._lifetime is not lifetime for b in self.unfenced
-            ):
-                lifetime.forget(self)
+            self._forget_unless_used(lifetime)
 
     def unfenced_on(self, key: StreamId) -> bool:
         """Whether a block on ``key``'s stream is left to fence (its captured
@@ -261,10 +258,18 @@ class PendingWork:
         return bool(blocks) and any(b.key == key for b in blocks)
 
     def stream_closing(self) -> None:
-        """The library's stream of a block left to fence is about to be
-        destroyed (``leave`` listens): record on it now, while it exists
-        (``close()`` refuses a capturing stream; the fence asks all the same)."""
+        """The library's stream of an open block, or of a block left to fence,
+        is about to be destroyed (``try_enter`` and ``leave`` listen): record
+        on it now, while it exists (``close()`` refuses a capturing stream; the
+        fence asks all the same). An open block's record covers what its body
+        enqueued so far, all it can: nothing runs on a closed stream after.
+        (A body enqueueing in another thread while this runs races the close
+        itself: what lands after this record is not covered.)"""
         with self._locked():
+            for block in self.blocks:
+                lifetime = block.stream._lifetime
+                if block.at_close is None and lifetime is not None and lifetime.ending:
+                    block.at_close = self._record_block(block)
             self._fence()
 
     def order_after(
@@ -406,6 +411,9 @@ class PendingWork:
                 capture=_capture.under_way(key) if began else None,
             )
             self.blocks.append(block)
+            lifetime = stream._lifetime
+            if lifetime is not None:  # (False: closing now; its exit records as it can)
+                lifetime.listen(self)  # closing it inside the block records the block first
             return block
 
     @staticmethod
@@ -420,11 +428,13 @@ class PendingWork:
         return block.capture is not None and now is not None and now is not block.capture
 
     def leave(self, block: OpenBlock) -> None:
-        """The block's body ended: its work is pending on its stream."""
+        """The block's body ended: its work is pending on its stream (recorded
+        now, or when the stream closed in the block: ``stream_closing``)."""
         with self._locked():
             try:
-                new = Access.recorded(self, block.kind, block.stream, block.key, block.disjoint)
-                new.group = block.group
+                new = block.at_close
+                if new is None:
+                    new = self._record_block(block)
                 for a in block.covered:
                     if a.state is not AccessState.RELEASED:
                         self._drop(a)
@@ -432,12 +442,23 @@ class PendingWork:
                 if new.mark is not None and new.mark.captured and self._began_in(block):
                     block.covered = []  # (released: nothing of them is needed any more)
                     self.unfenced.append(block)  # a capture began in it (see _fence)
-                    lifetime = block.stream._lifetime
-                    if lifetime is not None:  # (False: closing now; then it is gone)
-                        lifetime.listen(self)  # closing the stream fences first
             finally:
                 self.blocks.remove(block)
                 block.done.set()
+                self._forget_unless_used(block.stream._lifetime)
+
+    def _record_block(self, block: OpenBlock) -> Access:
+        new = Access.recorded(self, block.kind, block.stream, block.key, block.disjoint)
+        new.group = block.group
+        return new
+
+    def _forget_unless_used(self, lifetime: Lifetime | None) -> None:
+        """Lock held: stop listening to ``lifetime`` unless an open block or a
+        block left to fence is on its stream."""
+        if lifetime is not None and all(
+            b.stream._lifetime is not lifetime for b in (*self.blocks, *self.unfenced)
+        ):
+            lifetime.forget(self)
 
     # -- handoffs -------------------------------------------------------------
 

@@ -199,6 +199,15 @@ class Stream:
         self.handle  # noqa: B018 - a closed stream cannot be borrowed
         return self._same_stream(keepalive)
 
+    def _open_for_records(self) -> None:
+        """ValueError if this stream is closed, except while its close tells its
+        listeners (closed in a garbage collection, its wrapper says closed
+        first; the stream still exists, and what listens records there)."""
+        if self._closed:
+            lifetime = self._lifetime
+            if lifetime is None or not lifetime.ending:
+                raise ValueError("this Stream is closed")
+
     def _same_stream(self, keepalive: object = None) -> Stream:
         """A borrowed wrapper of this very stream, unchecked: also for what
         records on it while its close runs (in a garbage collection this

@@ -221,6 +221,111 @@ async def test_closing_the_consumers_stream_keeps_the_producer_working(
     assert _settled_in_flight(p, w) <= base
 
 
+def _close_now(s: cs.Stream, how: str) -> None:
+    """Close ``s`` from this thread, another thread, or a finalizer in a garbage
+    collection (its listeners then run at the next library call)."""
+    if how == "this thread":
+        s.close()
+    elif how == "another thread":
+        th = threading.Thread(target=s.close)
+        th.start()
+        th.join(10)
+    else:
+
+        class Closer:
+            def __init__(self) -> None:
+                self.cycle = self
+
+            def __del__(self) -> None:
+                s.close()
+
+        Closer()
+        gc.collect()
+
+
+CLOSERS = ["this thread", "another thread", "a finalizer"]
+
+
+@pytest.mark.parametrize("how", CLOSERS)
+def test_a_stream_closed_inside_a_writing_block_on_it_keeps_the_blocks_write(
+    ops: DeviceOps, how: str
+) -> None:
+    """Its work still runs (CUDA's rule), so the block's exit records it as the
+    stream closes: a host consume waits for the held fill and sees it."""
+    arr = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    s = cs.Stream()
+    latch = ops.latch(s)
+    try:
+        with t.writing(s):
+            ops.fill(s, arr, 7.0)
+            _close_now(s, how)
+        assert s.closed
+        assert t.pending_streams()["writes"], "the block's write was forgotten"
+        with pytest.raises(TimeoutError):
+            cs.consume_blocking(t, timeout=0.05)  # the fill is held: nothing to read yet
+    finally:
+        latch.release()
+    view = cs.consume_blocking(t, timeout=10)
+    assert (ops.to_host(view) == 7).all()
+
+
+@pytest.mark.parametrize("how", CLOSERS)
+def test_a_stream_closed_inside_a_reading_block_on_it_keeps_the_blocks_read(
+    ops: DeviceOps, how: str
+) -> None:
+    """The next writer waits for the closed stream's read (write after read)."""
+    arr = ops.array(np.ones(64, "float32"))
+    out = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    r, w = cs.Stream(), cs.Stream()
+    latch = ops.latch(r)
+    try:
+        with t.reading(r):
+            ops.copy(r, out, arr)
+            done = r.record()
+            _close_now(r, how)
+        with t.writing(w):
+            ops.fill(w, arr, 2.0)
+        assert _held(w), "the writer did not wait for the closed stream's read"
+    finally:
+        latch.release()
+    done.synchronize()
+    w.synchronize()
+    assert (ops.to_host(out) == 1).all() and (ops.to_host(arr) == 2).all()
+
+
+@pytest.mark.parametrize("how", CLOSERS)
+def test_a_consumers_stream_closed_with_its_read_lazy_is_waited_for_by_the_next_writer(
+    ops: DeviceOps, how: str
+) -> None:
+    """``consume(t, stream=c)`` leaves its read to record later; closing ``c``
+    (from a finalizer too, whose wrapper says closed before its listeners
+    record) records it: the next writer waits, and the array stays writable."""
+    arr = ops.array(np.ones(64, "float32"))
+    out = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    c, w = cs.Stream(), cs.Stream()
+    latch = ops.latch(c)
+    try:
+        view = cs.consume_blocking(t, stream=c)
+        ops.copy(c, out, view)
+        done = c.record()
+        del view
+        _close_now(c, how)
+        with t.writing(w):
+            ops.fill(w, arr, 2.0)
+        assert _held(w), "the writer did not wait for the closed stream's read"
+    finally:
+        latch.release()
+    done.synchronize()
+    w.synchronize()
+    assert (ops.to_host(out) == 1).all() and (ops.to_host(arr) == 2).all()
+    with t.writing(w):  # and it stays writable
+        ops.fill(w, arr, 3.0)
+    w.synchronize()
+
+
 def _close_during_the_first_record_on(
     monkeypatch: pytest.MonkeyPatch, backend: cs.Backend, c: cs.Stream
 ) -> tuple[threading.Event, list[threading.Thread]]:
