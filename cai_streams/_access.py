@@ -115,6 +115,13 @@ class Access:
         self.waited_by: set[StreamId] = set()
 
     @property
+    def captured(self) -> bool:
+        """Recorded in a graph capture: it stands for work that runs when the
+        graph is launched, not in its stream's order (``Mark.captured``)."""
+        mark = self.mark
+        return mark is not None and mark.captured
+
+    @property
     def unfenced(self) -> bool:
         """A record made in a capture, on a stream where a block of this buffer
         left ordinary work unrecorded when that stream last captured

@@ -68,6 +68,12 @@ def note_captured(work: object, writes: bool, key: StreamId) -> None:
         capture.touched[id(work)] = (ref, wrote or writes)
 
 
+def any_under_way() -> bool:
+    """Whether a capture this library began may be under way (none has been
+    seen to end). Asks no driver: a handoff's cheap first question."""
+    return bool(_active)
+
+
 def under_way(key: StreamId) -> object | None:
     """The capture this library began on ``key``'s stream and has not seen
     end, if any: a token that another capture never equals. Asks no driver."""

@@ -146,12 +146,15 @@ class PendingWork:
 
     def _add(self, new: Access) -> None:
         """Add ``new``; the access of the same kind on the same stream that it
-        covers in stream order is released (a lazy read covers a recorded one)."""
+        covers in stream order is released (a lazy read covers a recorded one).
+        A record made in a graph capture covers only another such record: the
+        captured work runs at a launch, in no order with the stream's own."""
         if new.kind is Kind.READ or not new.disjoint:
             self.group += 1
         accesses = self.writes if new.kind is Kind.WRITE else self.reads
+        captured = new.captured
         for i, old in enumerate(accesses):
-            if old.key != new.key or old.disjoint != new.disjoint:
+            if old.key != new.key or old.disjoint != new.disjoint or old.captured != captured:
                 continue
             if old.state is AccessState.LAZY and new.state is not AccessState.LAZY:
                 new.release()
@@ -308,6 +311,19 @@ class PendingWork:
                     elided += 1
                     self._drop(a)
                 continue
+            if a.state is AccessState.LAZY and capturing:
+                # A consumer's read on a stream of this capture: the edge is a
+                # record of what it enqueued so far, taken by the capture. The
+                # read stays lazy: it stands for its ordinary work from before
+                # the capture too, which a record now would not name (a launch,
+                # or a writer once the capture is over, records and waits then).
+                edge = Access.recorded(self, Kind.READ, a.stream, a.key)
+                try:
+                    self.backend.stream_wait_event(handle, edge.event)
+                finally:
+                    edge.release()
+                waited += 1
+                continue
             if a.state is AccessState.LAZY:
                 a.materialize()
             elif a.is_complete():
@@ -329,7 +345,11 @@ class PendingWork:
         """What ``stream`` enqueues from now on reads the buffer. Reads found
         complete are forgotten; beyond :data:`MAX_OPEN_READS` consumer reads
         still open, the oldest is recorded now (so a buffer read on ever-new
-        streams, and never written, holds neither them nor events)."""
+        streams, and never written, holds neither them nor events). On a
+        stream capturing a graph this library began, the read is the graph's
+        (each launch is then ordered as a ``reading()`` block is)."""
+        if _capture.any_under_way() and _capture_guard.capturing(self.backend, key) is True:
+            _capture.note_captured(self, False, key)
         self._drop_complete(self.reads)
         for a in self.reads:
             if a.key == key and a.state is AccessState.LAZY:
@@ -435,8 +455,8 @@ class PendingWork:
                 new = block.at_close
                 if new is None:
                     new = self._record_block(block)
-                for a in block.covered:
-                    if a.state is not AccessState.RELEASED:
+                for a in block.covered:  # (a captured write replaces no ordinary work)
+                    if a.state is not AccessState.RELEASED and (a.captured or not new.captured):
                         self._drop(a)
                 self._add(new)
                 if new.mark is not None and new.mark.captured and self._began_in(block):

@@ -314,6 +314,127 @@ def test_the_legacy_stream_during_a_blocking_capture_raises_and_keeps_it(
         _still_valid(per_thread)
 
 
+# -- ordinary work pending on the stream a capture begins on -------------------------
+
+
+@pytest.mark.parametrize("consumer", ["host", "stream"])
+def test_a_block_captured_after_a_pending_write_on_its_stream_does_not_replace_it(
+    ops: DeviceOps, consumer: str
+) -> None:
+    """A held fill on ``s``, then a capture on ``s`` with a block writing the
+    array: the captured record stands for work that runs only at a launch, not
+    after the fill in ``s``'s order. After the capture a consumer still waits
+    for the fill, and sees the data as it was before the graph."""
+    arr = ops.array(np.zeros(16, np.float32))
+    t = cs.track(arr)
+    s = cs.Stream()
+    latch = ops.latch(s)
+    with t.writing(s):
+        ops.fill(s, arr, 7.0)  # ordinary, held by the latch
+    with _capturing(s, "relaxed"), t.writing(s):
+        ops.fill(s, arr, 1.0)  # captured: runs at a launch (none here)
+    try:
+        if consumer == "host":
+            with pytest.raises(TimeoutError):
+                cs.consume_blocking(t, timeout=0.05)  # the fill is held
+        else:
+            c = cs.Stream()
+            cs.consume_blocking(t, stream=c)
+            assert not c.record().is_done, "the consumer's stream did not wait for the fill"
+    finally:
+        latch.release()
+    view = cs.consume_blocking(t, timeout=10)
+    assert (ops.to_host(view) == 7).all()
+
+
+def test_a_read_captured_after_a_pending_read_on_its_stream_does_not_replace_it(
+    ops: DeviceOps,
+) -> None:
+    """Write after read: a held copy-out on ``s``, then a captured read block on
+    ``s``: a writer on another stream still waits for the copy-out."""
+    arr = ops.array(np.ones(16, np.float32))
+    out = ops.array(np.zeros(16, np.float32))
+    t = cs.track(arr)
+    s, w = cs.Stream(), cs.Stream()
+    latch = ops.latch(s)
+    try:
+        with t.reading(s):
+            ops.copy(s, out, arr)  # ordinary, held by the latch
+        with _capturing(s, "relaxed"), t.reading(s):
+            ops.copy(s, out, arr)  # captured
+        with t.writing(w):
+            ops.fill(w, arr, 2.0)
+        assert not w.record().is_done, "the writer did not wait for the copy-out"
+    finally:
+        latch.release()
+    w.synchronize()
+    s.synchronize()
+    assert (ops.to_host(out) == 1).all() and (ops.to_host(arr) == 2).all()
+
+
+@pytest.mark.parametrize("how", ["consume", "export"])
+def test_a_consumer_read_onto_a_capturing_stream_is_the_graphs_and_each_launch_is_ordered(
+    ops: DeviceOps, how: str
+) -> None:
+    """``consume(t, stream=s)`` or ``export(t, stream=s)`` while ``s`` captures:
+    the graph reads ``t``, so a writer after a launch waits for the launch's
+    read (as for a ``reading()`` block in the capture)."""
+    arr = ops.array(np.ones(16, np.float32))
+    out = ops.array(np.zeros(16, np.float32))
+    t = cs.track(arr)
+    s, launch_on, w = cs.Stream(), cs.Stream(), cs.Stream()
+    s.begin_capture("relaxed")
+    try:
+        view = cs.consume_blocking(t, stream=s) if how == "consume" else cs.read_interface(arr)
+        if how == "export":
+            cs.export(t, stream=s)
+        ops.copy(s, out, view)
+    finally:
+        graph = s.end_capture()
+    with graph:
+        assert len(graph._touched) == 1
+        latch = ops.latch(launch_on)
+        try:
+            graph.launch(launch_on)  # the copy, held behind the latch
+            with t.writing(w):
+                ops.fill(w, arr, 2.0)
+            assert not w.record().is_done, "the writer did not wait for the launch's read"
+        finally:
+            latch.release()
+        launch_on.synchronize()
+        w.synchronize()
+    assert (ops.to_host(out) == 1).all() and (ops.to_host(arr) == 2).all()
+
+
+def test_a_read_open_on_a_stream_that_begins_capturing_stays_open_for_its_ordinary_work(
+    ops: DeviceOps,
+) -> None:
+    """``consume(t, stream=s)`` leaves its read open on ``s`` (a held copy);
+    then ``s`` captures and a stream forked into the capture writes ``t``: the
+    graph edge from ``s`` is a captured record, and the read still stands for
+    the held copy, so a writer after the capture waits for it."""
+    arr = ops.array(np.ones(16, np.float32))
+    out = ops.array(np.zeros(16, np.float32))
+    t = cs.track(arr)
+    s, side, w = cs.Stream(), cs.Stream(), cs.Stream()
+    latch = ops.latch(s)
+    try:
+        ops.copy(s, out, cs.consume_blocking(t, stream=s))  # ordinary, held
+        with _capturing(s, "relaxed"):
+            side.wait(s.record())
+            with t.writing(side):
+                ops.fill(side, arr, 5.0)  # captured: runs at a launch (none here)
+            s.wait(side.record())
+        with t.writing(w):
+            ops.fill(w, arr, 2.0)
+        assert not w.record().is_done, "the writer did not wait for the held copy"
+    finally:
+        latch.release()
+    s.synchronize()
+    w.synchronize()
+    assert (ops.to_host(out) == 1).all() and (ops.to_host(arr) == 2).all()
+
+
 # -- joins among the streams of one capture ----------------------------------------
 
 
@@ -588,7 +709,10 @@ class _Program:
         self.expect = [np.zeros(16, np.float32) for _ in self.arrays]
         self.captured: list[Callable[[list[Any]], None]] = []
 
-    def kernel(self, stream: cs.Stream, *, captured: bool) -> None:
+    def kernel(self, stream: cs.Stream, *, captured: bool, via_consume: bool = False) -> None:
+        """``via_consume``: the source is read through ``consume(stream=)``, a
+        read left open on the stream, not a ``reading()`` block. A kernel a
+        capture forbids (CaptureError before anything is enqueued) is skipped."""
         rng = self.rng
         dst, src, c = rng.randrange(3), rng.randrange(3), float(rng.randrange(1, 9))
         arrays, tracked = self.arrays, self.tracked
@@ -597,23 +721,41 @@ class _Program:
         def apply(xs: list[Any]) -> None:
             xs[dst][...] = xs[dst] * 0.5 + xs[src] + c
 
-        with contextlib.ExitStack() as blocks:
-            blocks.enter_context(tracked[dst].writing(stream))
-            if src != dst:
-                blocks.enter_context(tracked[src].reading(stream))
-            sim.launch(
-                stream,
-                lambda d, s_: apply([d if i == dst else s_ for i in range(3)]),
-                arrays[dst],
-                arrays[src],
-                reads=[arrays[src]],
-                writes=[arrays[dst]],
-                duration=duration,
-            )
+        try:
+            with contextlib.ExitStack() as blocks:
+                source: Any = arrays[src]
+                if src != dst and via_consume:
+                    source = cs.consume_blocking(tracked[src], stream=stream, timeout=10)
+                blocks.enter_context(tracked[dst].writing(stream))
+                if src != dst and not via_consume:
+                    blocks.enter_context(tracked[src].reading(stream))
+                sim.launch(
+                    stream,
+                    lambda d, s_: apply([d if i == dst else s_ for i in range(3)]),
+                    arrays[dst],
+                    source,
+                    reads=[source],
+                    writes=[arrays[dst]],
+                    duration=duration,
+                )
+        except cs.CaptureError:
+            return
         if captured:
             self.captured.append(apply)
         else:
             apply(self.expect)
+
+    def check(self, where: str) -> None:
+        """A host consume of a random array sees the oracle's data (or is
+        refused with CaptureError, while its pending work is captured)."""
+        i = self.rng.randrange(3)
+        try:
+            view = cs.consume_blocking(self.tracked[i], timeout=10)
+        except cs.CaptureError:
+            return
+        got = sim._numpy_view(view)
+        assert got is not None
+        np.testing.assert_array_equal(got, self.expect[i], err_msg=f"{where}, array {i}")
 
     def launched(self) -> None:
         for apply in self.captured:
@@ -653,3 +795,64 @@ def test_random_programs_with_a_captured_graph_match_a_sequential_oracle() -> No
     with sim.simulated(sanitizer=False, jitter=0.001):
         for seed in range(CAPTURE_PROGRAMS):
             _run_program(seed)
+
+
+def _run_mixed_program(seed: int) -> None:
+    """As :func:`_run_program`, with work left pending around the capture: on
+    every stream before it (the capture's own too), reads left open by
+    ``consume(stream=)`` before, in and after it, ordinary kernels and host
+    consumes while it is under way, and host consumes between launches."""
+    program = _Program(seed)
+    rng = program.rng
+    o0, o1, s, side, launch_on = (cs.Stream() for _ in range(5))
+    streams = [o0, o1, s, side, launch_on]
+    for _ in range(rng.randrange(1, 5)):
+        program.kernel(rng.choice(streams), captured=False, via_consume=rng.random() < 0.3)
+        if rng.random() < 0.3:
+            program.check(f"seed {seed}, before the capture")
+    if rng.random() < 0.5:
+        o0.synchronize()
+        o1.synchronize()
+    graph = None
+    s.begin_capture(rng.choice(("global", "thread_local", "relaxed")))
+    try:
+        side.wait(s.record())
+        for _ in range(rng.randrange(1, 6)):
+            r = rng.random()
+            if r < 0.6:
+                program.kernel(rng.choice((s, side)), captured=True, via_consume=rng.random() < 0.3)
+            elif r < 0.8:
+                program.kernel(rng.choice((o0, o1)), captured=False)
+            else:
+                program.check(f"seed {seed}, during the capture")
+        s.wait(side.record())
+    finally:
+        graph = s.end_capture()
+    with graph:
+        for _ in range(rng.randrange(0, 3)):
+            program.check(f"seed {seed}, after the capture")
+            program.kernel(rng.choice((o0, o1)), captured=False)
+        for _ in range(rng.randrange(1, 4)):
+            for _ in range(rng.randrange(0, 3)):
+                program.kernel(rng.choice(streams), captured=False, via_consume=rng.random() < 0.3)
+            graph.launch(rng.choice(streams))
+            program.launched()
+            if rng.random() < 0.5:
+                program.check(f"seed {seed}, after a launch")
+        for i, t in enumerate(program.tracked):
+            view = cs.consume_blocking(t, timeout=30)
+            got = sim._numpy_view(view)
+            assert got is not None
+            np.testing.assert_array_equal(got, program.expect[i], err_msg=f"seed {seed}, array {i}")
+    for x in streams:
+        x.synchronize()
+        x.close()
+
+
+def test_random_programs_with_work_pending_around_a_capture_match_a_sequential_oracle() -> None:
+    """Found a captured record taking the place of ordinary work on its stream,
+    a consumer's open read recorded in a capture (its ordinary work then taken
+    for done), and reads onto a capturing stream not handed to the graph."""
+    with sim.simulated(sanitizer=False, jitter=0.002):
+        for seed in range(3 * CAPTURE_PROGRAMS):
+            _run_mixed_program(seed)
