@@ -689,10 +689,12 @@ def test_random_view_lifetimes_keep_each_owner_while_work_enqueued_in_its_views_
     """A random program of handoffs of owners to one stream (at most two at a
     time, new ones made as old ones are let go), views dropped in any order,
     latches enqueued on the stream (a few at a time) and released in any
-    order, views derived from views in use (``with_stream``), sweeps: the oracle says which owners work still pending on the
-    stream was enqueued for (while a view of theirs was in use). Such an owner
-    must be alive after every step; once everything is released, all are gone.
-    (A lease that recorded at its first view's release, not its last, fails.)"""
+    order, views derived from views in use (``with_stream``), sweeps: the
+    oracle says which owners work still pending on the stream was enqueued for
+    (while a view of theirs was in use). Such an owner must be alive after
+    every step; once everything is released, all are gone. (A lease that
+    recorded at its first view's release, not its last, fails; so does a
+    derived view that joins no lease.)"""
     rng = random.Random(seed)
     s = cs.Stream()
     owners: dict[int, Box] = {}
