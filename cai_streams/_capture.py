@@ -186,11 +186,10 @@ class Graph:
         from ._access import Kind  # late: _access imports this module
         from ._tracked import _enter
 
-        with ExitStack() as blocks:
-            for ref, writes in self._touched:
-                work = ref()
-                if work is None:
-                    continue
+        touched = [(work, writes) for ref, writes in self._touched if (work := ref()) is not None]
+        touched.sort(key=lambda pair: id(pair[0]))  # one order for every launch: no
+        with ExitStack() as blocks:  # two launches hold a block each the other waits for
+            for work, writes in touched:
                 kind = Kind.WRITE if writes else Kind.READ
                 block = _enter(work, kind, False, s, "Graph.launch()")
                 blocks.callback(work.leave, block)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 import cai_streams as cs
-from cai_streams import _capture_guard, _poller, sim
+from cai_streams import _capture_guard, _poller, _tracked, sim
 from cai_streams._capture import GraphState
 from cai_streams._scheduler import scheduler_for
 
@@ -433,6 +434,55 @@ def test_a_read_open_on_a_stream_that_begins_capturing_stays_open_for_its_ordina
     s.synchronize()
     w.synchronize()
     assert (ops.to_host(out) == 1).all() and (ops.to_host(arr) == 2).all()
+
+
+def test_two_graphs_touching_two_arrays_in_opposite_orders_launch_at_once_from_two_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A launch opens a block per array its graph touched, holding each while
+    it opens the next: in one order for every graph, else two launches each
+    hold the block the other waits for (a stall until the bound, then
+    TimeoutError). Each block's opening is slowed so that they interleave."""
+    a, b = (cs.track(sim.asarray(np.zeros(4, np.float32))) for _ in range(2))
+
+    def capture(first: cs.TrackedArray, second: cs.TrackedArray) -> cs.Graph:
+        s = cs.Stream()
+        s.begin_capture("relaxed")
+        for t in (first, second):
+            with t.writing(s):
+                sim.launch(s, lambda x: x.__iadd__(1), t.array, writes=[t.array])
+        return s.end_capture()
+
+    graphs = [capture(a, b), capture(b, a)]
+    enter = _tracked._enter
+
+    def slow_enter(*args: Any, **kwargs: Any) -> Any:
+        block = enter(*args, **kwargs)
+        time.sleep(0.05)
+        return block
+
+    monkeypatch.setattr(_tracked, "_enter", slow_enter)
+    monkeypatch.setattr(_tracked, "BLOCK_TIMEOUT", 2.0)
+    errors: list[BaseException] = []
+
+    def launch(graph: cs.Graph) -> None:
+        try:
+            graph.launch(cs.Stream())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=launch, args=(g,)) for g in graphs]
+    start = time.monotonic()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert not errors, errors
+    assert time.monotonic() - start < 1.5  # no launch waited for the bound
+    for g in graphs:
+        g.close()
+    got = sim._numpy_view(cs.consume_blocking(a, timeout=10))
+    assert got is not None and (got == 2).all()
 
 
 # -- joins among the streams of one capture ----------------------------------------
