@@ -711,8 +711,14 @@ def _switch_to(on: bool) -> None:
     if on and not active:
         _state = _State()
         _observe.add(_watcher)
-        _sanitizer_threads.install(_Handoffs())
-        _sanitizer_locks.install(_Handoffs())
+        try:
+            _sanitizer_threads.install(_Handoffs())
+            _sanitizer_locks.install(_Handoffs())
+        except BaseException:  # all or nothing: never half on
+            _sanitizer_locks.uninstall()
+            _sanitizer_threads.uninstall()
+            _observe.remove(_watcher)
+            raise
         active = True
     elif not on and active:
         active = False

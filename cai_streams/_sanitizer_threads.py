@@ -25,6 +25,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import anyio.to_thread  # noqa: F401 - whole before install() wraps its run_sync
+
 __all__ = ["Handoffs", "Token", "install", "registered", "uninstall"]
 
 
@@ -188,7 +190,9 @@ def install(h: Handoffs) -> None:
     _patch(asyncio, "to_thread", lambda real: _to_thread(h, real, keywords_to_func=True))
     for name in ("anyio.to_thread", "trio.to_thread"):
         module = sys.modules.get(name)
-        if module is not None:  # their keywords are options of run_sync itself
+        # (anyio's is imported with this module; one another thread is importing
+        # now has no run_sync yet, and is left alone)
+        if module is not None and hasattr(module, "run_sync"):  # (its keywords are
             _patch(module, "run_sync", lambda real: _to_thread(h, real, keywords_to_func=False))
 
 

@@ -485,3 +485,39 @@ def test_observers_hear_of_a_destroy_while_the_handle_is_still_the_callers() -> 
         _observe.remove(spy)
     ((destroyed, fresh),) = handed
     assert fresh != destroyed  # still the destroyer's when the observers heard
+
+
+def test_a_sanitizer_that_fails_to_turn_on_is_left_off_with_nothing_patched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """All or nothing: if wrapping the locks fails after the thread calls were
+    wrapped, both are undone and the sanitizer is off."""
+    from cai_streams import _observe, _sanitizer_locks
+
+    def broken(h: Any) -> None:
+        raise RuntimeError("cannot wrap")
+
+    with cs.sanitize(False), monkeypatch.context() as patched:
+        wait, observers = threading.Event.wait, _observe._observers
+        patched.setattr(_sanitizer_locks, "install", broken)
+        with pytest.raises(RuntimeError, match="cannot wrap"):
+            with cs.sanitize():
+                pass
+        assert not cs.sanitizing()
+        assert threading.Event.wait is wait and _observe._observers == observers
+
+
+def test_a_to_thread_module_another_thread_is_still_importing_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A module in ``sys.modules`` with no ``run_sync`` yet (its import is under
+    way in another thread) is not wrapped, and turning the sanitizer on works."""
+    import sys
+    import types
+
+    half = types.ModuleType("trio.to_thread")
+    monkeypatch.setitem(sys.modules, "trio.to_thread", half)
+    with cs.sanitize(False):
+        with cs.sanitize():
+            assert cs.sanitizing()
+        assert not hasattr(half, "run_sync")
