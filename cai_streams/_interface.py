@@ -137,7 +137,11 @@ class ArrayView(_ViewSlots):
         A view handed to a stream (``consume(obj, stream=s)``) keeps its owner
         until ``s`` has passed the work enqueued while it is in use; the view
         made here counts as in use too, for as long as it lives (hand it to
-        CuPy or Numba and enqueue on ``s``: the owner outlives that work)."""
+        CuPy or Numba and enqueue on ``s``: the owner outlives that work).
+        ``stream``: a handle, as a version 3 interface names one (1 to 2**64 - 1;
+        0 is ambiguous there), or None; else TypeError or ValueError."""
+        if stream is not None and (type(stream) is not int or not 0 < stream < _ADDRESS_LIMIT):
+            stream = _stream_entry(stream)
         if stream == self.stream:
             return self
         view = self._replace(stream, self.owner)
@@ -329,6 +333,24 @@ def _bad(field: str, value: object, expected: str) -> InterfaceError:
         f"__cuda_array_interface__[{field!r}] is {shown} ({type(value).__name__}): "
         f"expected {expected}"
     )
+
+
+def _stream_entry(stream: object) -> int:
+    """``stream`` as a version 3 ``stream`` entry (an int from 1 to 2**64 - 1:
+    numpy's ints too); TypeError or ValueError saying what it got."""
+    if not _is_int(stream):
+        hint = " (a Stream: pass its .handle)" if hasattr(stream, "handle") else ""
+        raise TypeError(
+            f"with_stream() takes a stream handle (an int) or None, got "
+            f"{type(stream).__name__}{hint}"
+        )
+    handle = operator.index(stream)  # type: ignore[arg-type]
+    if not 0 < handle < _ADDRESS_LIMIT:
+        raise ValueError(
+            f"with_stream() takes a stream handle from 1 to 2**64 - 1 (a version 3 "
+            f"interface may not name 0: it is ambiguous), got {handle}"
+        )
+    return handle
 
 
 def _is_int(value: object) -> bool:

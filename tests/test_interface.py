@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cai_streams as cs
+from cai_streams import sim
 from cai_streams._interface import c_strides, parse
 
 PTR = 0x7F00_0000_0000
@@ -196,6 +197,27 @@ def test_view_is_frozen_and_export_is_a_copy() -> None:
     first["stream"] = 99
     assert view.__cuda_array_interface__["stream"] is None
     assert view.with_stream(7).stream == 7 and view.stream is None
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [(0, ValueError), (-1, ValueError), (1 << 64, ValueError), ("7", TypeError),
+     (7.0, TypeError), (True, TypeError), ([7], TypeError)],
+)  # fmt: skip
+def test_with_stream_takes_a_v3_stream_entry_or_none(bad: object, error: type) -> None:
+    """What it makes re-exports a version 3 interface: its ``stream`` is a
+    handle from 1 to 2**64 - 1 (0 is ambiguous there) or None."""
+    view = parse(Exports(cai()))
+    with pytest.raises(error, match="with_stream"):
+        view.with_stream(bad)  # type: ignore[arg-type]
+    assert view.with_stream(np.uint64(7)).stream == 7
+    assert type(view.with_stream(np.uint64(7)).stream) is int
+    assert view.with_stream(2**64 - 1).with_stream(None).stream is None
+
+
+def test_with_stream_names_the_handle_a_stream_object_has() -> None:
+    with sim.simulated(sanitizer=False), pytest.raises(TypeError, match=r"pass its \.handle"):
+        parse(Exports(cai())).with_stream(cs.Stream())  # type: ignore[arg-type]
 
 
 # -- properties ---------------------------------------------------------------
