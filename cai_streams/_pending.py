@@ -499,7 +499,14 @@ class PendingWork:
             self._note(own)
             self._see_own_blocks(Kind.READ, False, me)
             self.counters.add(exports=1)
+            # x waited for these at an earlier export: the join passes them by,
+            # so whether they are done is asked here (else they would be named
+            # pending for as long as nothing else drops them)
+            ordered = [a for a in self.writes if a.key != key and key in a.waited_by]
             self.order_after(x, key, list(self.writes), join=True, what="export()")
+            for a in ordered:
+                if a.state is not AccessState.RELEASED and a.is_complete():
+                    self._drop(a)
             pending = any(a.key != key for a in self.writes) or any(
                 a.key == key and not a.is_complete() for a in self.writes
             )

@@ -133,6 +133,26 @@ def test_export_twice_adds_no_event_and_no_wait() -> None:
     assert after["events_created"] == middle["events_created"]
 
 
+def test_an_export_after_the_joined_work_completed_names_no_stream() -> None:
+    """The second export's join passes by the write the first joined onto ``x``:
+    once that write is done, the export says None (nothing pending), not ``x``;
+    while it is held, ``x``."""
+    a, x = cs.Stream(), cs.Stream()
+    t = cs.track(sim.empty(8), stream=x)
+    latch = SimOps().latch(a)
+    with t.writing(a):
+        SimOps().fill(a, t.array, 2.0)
+    try:
+        assert t.__cuda_array_interface__["stream"] == x.handle
+        assert t.__cuda_array_interface__["stream"] == x.handle  # still held
+    finally:
+        latch.release()
+    a.synchronize()
+    x.synchronize()
+    assert t.__cuda_array_interface__["stream"] is None
+    assert t.pending_streams()["writes"] == []
+
+
 def test_completed_work_is_elided_not_waited_on() -> None:
     a, x = cs.Stream(), cs.Stream()
     t = cs.track(sim.empty(8), stream=x)
