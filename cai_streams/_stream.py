@@ -225,13 +225,29 @@ class Stream:
 
     @property
     def handle(self) -> int:
-        """The handle as it goes into a CAI ``stream`` entry."""
+        """The handle as it goes into a CAI ``stream`` entry. A default stream
+        (1, 2) names the current device's: one of another device raises
+        ValueError (make its device current first, as CUDA requires)."""
         if self._closed:
             raise ValueError("this Stream is closed")
         lifetime = self._lifetime
         if lifetime is not None and lifetime.closed:
             raise ValueError("the stream this Stream borrows was closed")
-        return self._handle
+        handle = self._handle
+        if handle <= PER_THREAD_DEFAULT_STREAM:  # (1 or 2: never 0)
+            self._check_default_device()
+        return handle
+
+    def _check_default_device(self) -> None:
+        device, now = self._id.device, self._backend.current_device()
+        if device != now:
+            which = "legacy" if self._handle == LEGACY_DEFAULT_STREAM else "per-thread"
+            raise ValueError(
+                f"{self!r} is device {device}'s {which} default stream, and handle "
+                f"{self._handle} names the current device's: device {now} is current "
+                f"in this thread; call cs.set_device({device}) first, or use a stream "
+                f"made with cs.Stream(device={device})"
+            )
 
     @property
     def backend(self) -> Backend:

@@ -89,6 +89,36 @@ def test_streams_events_and_views_know_their_device(ops: DeviceOps) -> None:
     assert event.is_done
 
 
+@pytest.mark.parametrize("handle", [1, 2], ids=["legacy", "per-thread"])
+def test_a_default_stream_wrapped_on_device_1_is_refused_while_device_0_is_current(
+    ops: DeviceOps, handle: int
+) -> None:
+    """Handles 1 and 2 name the current device's default streams: a wrapper made
+    on device 1 would reach device 0's stream once device 0 is current (work
+    out of order with device 1's, or an event of one device recorded on the
+    other). Every use says so instead, before anything is enqueued; with its
+    device current again it works."""
+    arr = ops.array(np.zeros(N, np.float32))
+    t = cs.track(arr)
+    with on_device(1):
+        s1 = cs.Stream.wrap(handle)
+    assert s1.device == 1
+    uses = {
+        "record": s1.record,
+        "synchronize": s1.synchronize,
+        "writing": lambda: t.writing(s1).__enter__(),
+        "consume": lambda: cs.consume_blocking(t, stream=s1),
+        "hold": lambda: cs.hold(arr, until=s1),
+    }
+    for name, use in uses.items():
+        with pytest.raises(ValueError, match=r"cs\.set_device\(1\)"):
+            use()
+        assert not t.pending_streams()["reads"], name  # nothing was added
+    with on_device(1):
+        s1.record().synchronize()
+        s1.synchronize()
+
+
 def test_a_tracked_array_exports_a_stream_of_its_own_device(
     backend: cs.Backend, ops: DeviceOps
 ) -> None:
