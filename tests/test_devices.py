@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -103,7 +104,7 @@ def test_a_default_stream_wrapped_on_device_1_is_refused_while_device_0_is_curre
     with on_device(1):
         s1 = cs.Stream.wrap(handle)
     assert s1.device == 1
-    uses = {
+    uses: dict[str, Callable[[], object]] = {
         "record": s1.record,
         "synchronize": s1.synchronize,
         "writing": lambda: t.writing(s1).__enter__(),
