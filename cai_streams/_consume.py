@@ -405,14 +405,17 @@ def _handoff(
     """Choose the row for ``obj``: validation and lookups only, no effects but
     a DLPack producer's join (a capsule is taken here)."""
     synced = _sync_flag(sync)
-    s = None if stream is None else as_stream(stream, backend)
     found = lookup(obj, backend)
-    if found is not None:
+    if found is not None:  # (a TrackedArray of another backend: its backend's stream)
         work, view = found
+        s = None if stream is None else as_stream(stream, work.backend)
         mode = plan(tracked=True, producer_stream=None, stream=s, synced=synced)
         row = _ROWS[mode]
         assert issubclass(row, _Tracked)
-        return row(scheduler_for(backend, work.device), view, s, work)
+        # (its own backend's: a host wait asks that backend of its events, also
+        # while another backend is current)
+        return row(scheduler_for(work.backend, work.device), view, s, work)
+    s = None if stream is None else as_stream(stream, backend)
     dlpack, cai = choose_protocol(obj, protocol)
     if dlpack:
         return _dlpack_handoff(obj, s, synced, backend)
@@ -433,7 +436,7 @@ def _tracked_host(t: TrackedArray, sync: object, backend: Backend) -> ArrayView 
     interface (user code) and takes the array's lock."""
     work = t._work
     # (the sanitizer declares the host's read in the row; another backend's
-    # array goes through the row's own lookup, whatever it makes of it)
+    # array goes through the row, which waits on that backend)
     if not _sync_flag(sync) or _observe.active or work.backend is not backend:
         return _handoff(t, None, sync, backend)
     release_holds()  # (the lookup's bounded step)

@@ -164,3 +164,36 @@ def test_a_counted_device_without_a_context_falls_back_to_sim(
     monkeypatch.delitem(_backend._instances, "cuda", raising=False)
     with pytest.raises(cs.CaiStreamsError, match="present but unusable"):
         _backend._select_default()
+
+
+def test_a_tracked_array_consumed_while_another_backend_is_current_waits_on_its_own(
+    decoy_default: cs.Backend,
+) -> None:
+    """A host consume of a simulator array tracked earlier, while the decoy is
+    current, waits on the simulator (it asked the decoy of the simulator's
+    events: cudaErrorInvalidResourceHandle); a consumer stream must be the
+    array's backend's."""
+    import threading
+
+    import numpy as np
+
+    sim_backend = cs.use_backend("sim")
+    arr = sim.asarray(np.zeros(16, np.float32))
+    t = cs.track(arr)
+    s = cs.Stream()
+    gate = threading.Event()
+    with cs.sanitize(False), t.writing(s):
+        sim.launch(s, lambda x: (gate.wait(10), x.fill(4.0)), arr, writes=[arr])
+    cs.use_backend("decoy")
+    assert cs.current_backend() is decoy_default and sim_backend is not decoy_default
+    try:
+        with pytest.raises(TimeoutError):
+            cs.consume_blocking(t, timeout=0.05)  # the fill is held: a wait, not an error
+    finally:
+        gate.set()
+    with cs.sanitize(False):
+        got = sim._numpy_view(cs.consume_blocking(t, timeout=10))
+        assert got is not None and (got == 4.0).all()
+        assert cs.consume_blocking(t, stream=s).stream == s.handle
+    with pytest.raises(ValueError, match="belongs to the 'decoy' backend"):
+        cs.consume_blocking(t, stream=cs.Stream())
