@@ -25,6 +25,7 @@ from typing import Protocol
 
 from . import _capture, _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
+from ._errors import CaptureError
 from ._events import EventPool, Mark, pool_for, record
 from ._identity import StreamId, thread_serial
 from ._stream import Stream
@@ -175,7 +176,16 @@ class Access:
             # Another thread's per-thread stream cannot be named from here, but
             # it is a blocking stream: work on the legacy stream waits for all
             # work enqueued on it so far. An event there covers the read.
-            self._record(StreamId(key.backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0))
+            try:
+                self._record(StreamId(key.backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0))
+            except CaptureError as exc:  # (a blocking stream captures: say whose read)
+                raise CaptureError(
+                    f"a consumer's read of this array, open on the per-thread default "
+                    f"stream (2) of another thread ({key.describe()}), can be waited for "
+                    f"only through the legacy default stream (1), which cannot be used "
+                    f"while a blocking stream captures a graph: wait until that capture "
+                    "ends, or let the consumer use a cs.Stream()"
+                ) from exc
         else:
             self._record()
         # Only now: while it listens, the stream's owner closing it in another

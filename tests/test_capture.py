@@ -485,6 +485,45 @@ def test_two_graphs_touching_two_arrays_in_opposite_orders_launch_at_once_from_t
     assert got is not None and (got == 2).all()
 
 
+def test_a_read_open_on_another_threads_stream_2_names_itself_when_a_capture_forbids_it() -> None:
+    """Thread A leaves a read open on its per-thread stream; thread C captures
+    on its own (a blocking stream). A writer elsewhere must wait for A's read
+    through the legacy stream, which C's capture forbids: CaptureError says
+    whose read it is, C's capture survives, and after it the write goes on."""
+    arr = sim.asarray(np.ones(16, np.float32))
+    t = cs.track(arr)
+    reader = threading.Thread(target=lambda: cs.consume_blocking(t, stream=2))
+    reader.start()
+    reader.join(10)
+    began, end = threading.Event(), threading.Event()
+    ended: list[object] = []
+
+    def capture() -> None:
+        s2 = cs.Stream.wrap(2)
+        s2.begin_capture("thread_local")
+        began.set()
+        end.wait(10)
+        with s2.end_capture() as graph:
+            ended.append(graph)
+
+    capturer = threading.Thread(target=capture)
+    capturer.start()
+    w = cs.Stream()
+    try:
+        assert began.wait(10)
+        with pytest.raises(cs.CaptureError, match=r"per-thread default stream \(2\) of another"):
+            with t.writing(w):
+                sim.launch(w, lambda x: x.fill(2.0), arr, writes=[arr])
+    finally:
+        end.set()
+        capturer.join(10)
+    assert len(ended) == 1  # the capture was not invalidated
+    with t.writing(w):
+        sim.launch(w, lambda x: x.fill(2.0), arr, writes=[arr])
+    w.synchronize()
+    assert (arr.to_host() == 2.0).all()
+
+
 # -- joins among the streams of one capture ----------------------------------------
 
 
