@@ -21,6 +21,8 @@ from ._blocks import Blocked, Owner, current_owner, wait_block_sync
 from ._config import settings
 from ._device import device_of
 from ._dlpack_export import export_view
+from ._dlpack_import import cuda_device_of, has_dlpack
+from ._errors import InterfaceError
 from ._hold_table import tick as release_holds
 from ._identity import stream_id_now
 from ._interface import ArrayView, parse
@@ -142,7 +144,7 @@ class TrackedArray:
         return export_view(
             self.view,
             work.backend,
-            device_of(work.backend, self.view),
+            work.device,
             self,
             stream=stream,
             max_version=max_version,
@@ -153,7 +155,7 @@ class TrackedArray:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         """``(2, device)``: kDLCUDA and the device holding the array. Does not block."""
-        return (2, device_of(self._work.backend, self.view))
+        return (2, self._work.device)
 
     def pending_streams(self) -> dict[str, list[int]]:
         """Stream handles with pending writes and reads (for inspection)."""
@@ -246,7 +248,7 @@ def track(obj: object, stream: object = None) -> TrackedArray:
     work = find_work(backend, obj)
     if work is None:
         view = parse(obj)
-        sched = scheduler_for(backend, device_of(backend, view))  # the array's device
+        sched = scheduler_for(backend, _device_holding(backend, view, obj))
         work, made = sched.work_for(obj, view._with_owner(None), export_stream)
         if made:
             own = work.own_stream()
@@ -271,6 +273,18 @@ def lookup(obj: object, backend: Backend) -> tuple[PendingWork, ArrayView] | Non
     if work is None:
         return None
     return work, work.layout._with_owner(obj)
+
+
+def _device_holding(backend: Backend, view: ArrayView, obj: object) -> int:
+    """The device holding ``obj``, asked by pointer; a zero-size array (no
+    pointer) says it itself if it has ``__dlpack_device__``, else the current
+    device is taken. Does not block."""
+    if not view.ptr and has_dlpack(obj):
+        try:
+            return cuda_device_of(obj)
+        except InterfaceError:
+            pass
+    return device_of(backend, view)
 
 
 def export(obj: object, *, stream: object = None) -> dict[str, Any]:

@@ -138,6 +138,19 @@ def test_a_tracked_array_exports_a_stream_of_its_own_device(
     np.testing.assert_array_equal(ops.to_host(arr), 5.0)
 
 
+def test_a_zero_size_array_is_tracked_on_the_device_it_says(ops: DeviceOps) -> None:
+    """No pointer to ask the driver about: the array's ``__dlpack_device__``
+    says where it is (CuPy, PyTorch and the simulator give one)."""
+    with on_device(1):
+        arr = ops.array(np.zeros(0, np.float32))
+    if not hasattr(arr, "__dlpack_device__"):
+        pytest.skip("this backend's arrays do not say their device")
+    assert arr.__dlpack_device__() == (2, 1)
+    t = cs.track(arr)  # tracked from device 0
+    assert t.__dlpack_device__() == (2, 1) and t.export_stream.device == 1
+    t.__dlpack__(dl_device=(2, 1))
+
+
 @pytest.mark.parametrize("sync", [True, False], ids=["joined", "control-sync-off"])
 def test_a_consumer_on_device_0_waits_for_a_producer_on_device_1(
     ops: DeviceOps, sync: bool
