@@ -277,7 +277,14 @@ def export_view(
     ``view.stream`` (None: none): that stream is joined onto the consumer's
     (one pooled event, none when they are the same stream), unless the
     consumer passed -1. ``join``, when given, does the join instead (a tracked
-    array's pending work). Only enqueues GPU work."""
+    array's pending work). Only enqueues GPU work. A masked view raises
+    BufferError: a DLPack tensor has no mask (its interface carries one)."""
+    if view.mask is not None:
+        raise BufferError(
+            "a masked array cannot be exported through DLPack, which has no mask "
+            "(the consumer would read the masked elements): hand over its "
+            "__cuda_array_interface__, which carries the mask"
+        )
     versioned = check_request(
         (int(_dlpack.DeviceType.CUDA), device),
         readonly=view.readonly,

@@ -293,6 +293,17 @@ def test_byte_strides_that_are_not_whole_elements_are_refused(exports: None) -> 
         view.__dlpack__()
 
 
+def test_a_masked_array_is_refused_not_exported_without_its_mask(exports: None) -> None:
+    data, mask = sim.empty(4, "float32"), sim.empty(4, "bool")
+    view = _over(data, mask=mask)
+    assert view.mask is not None
+    with pytest.raises(BufferError, match="has no mask"):
+        view.__dlpack__()
+    with pytest.raises(BufferError, match="has no mask"):
+        cs.track(Layout(view.__cuda_array_interface__)).__dlpack__()
+    assert _over(data).__dlpack__() is not None  # the control: the same data, unmasked
+
+
 # -- the parser: every capsule our producers make, and hand-built ones -------------------
 
 DTYPES = ["b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"]
