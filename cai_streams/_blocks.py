@@ -135,8 +135,13 @@ async def wait_block_async(block: OpenBlock, deadline: float | None) -> None:
         if deadline is not None:
             left = deadline - anyio.current_time()
             if left <= 0:
-                raise TimeoutError(
-                    "another thread's writing() block of this array did not end in time"
+                holder = (
+                    "another task's"
+                    if block.owner[0] == threading.get_ident()
+                    else "another thread's"
+                )
+                raise TimeoutError(  # (a consume waits only for writes)
+                    f"{holder} writing() block of this array did not end in time"
                 )
             delay = min(delay, left)
         await anyio.sleep(delay)

@@ -779,6 +779,42 @@ async def test_a_task_waits_for_another_tasks_block_held_across_an_await(
     assert order == ["entered", "left", "consumed"]
 
 
+async def test_a_consume_timing_out_on_another_tasks_block_names_a_task(
+    sim_backend: cs.Backend,
+) -> None:
+    t = cs.track(sim.asarray(np.zeros(16)))
+    s = cs.Stream()
+    entered, leave = anyio.Event(), anyio.Event()
+
+    async def writer() -> None:
+        with t.writing(s):
+            entered.set()
+            await leave.wait()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(writer)
+        await entered.wait()
+        with pytest.raises(TimeoutError, match="another task's writing"):
+            await cs.consume(t, timeout=0.02)
+        leave.set()
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with t.writing(s):
+            held.set()
+            done.wait(10)
+
+    th = threading.Thread(target=hold)
+    th.start()
+    try:
+        assert held.wait(10)
+        with pytest.raises(TimeoutError, match="another thread's writing"):
+            await cs.consume(t, timeout=0.02)
+    finally:
+        done.set()
+        th.join(10)
+
+
 def _ones_written_on_p(ops: DeviceOps) -> tuple[cs.Stream, cs.Stream, Any, Any, cs.TrackedArray]:
     """Streams ``s`` and ``w``, a tracked buffer whose write of 1.0 is pending
     on a third stream, and an output buffer: (s, w, arr, out, t)."""
