@@ -11,6 +11,7 @@ per-thread default streams held on the host) and select it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import math
 import threading
@@ -31,7 +32,7 @@ import cai_streams as cs
 from cai_streams import sim
 from cai_streams._hold_table import table
 
-from .device_ops import DeviceOps, SimOps
+from .device_ops import DeviceOps, Latch, SimOps
 from .model import recycled_stream_handles, until
 
 pytestmark = pytest.mark.anyio
@@ -181,6 +182,28 @@ async def test_a_fan_out_control_an_undeclared_reader_is_overwritten(ops: Device
 # -- 2. a consumer closing its stream ------------------------------------------------------
 
 
+def _the_next_write_waits_for_the_read(
+    ops: DeviceOps,
+    t: cs.TrackedArray,
+    w: cs.Stream,
+    latch: Latch,
+    done: cs.Event,
+    out: Any,
+) -> None:
+    """A consumer's copy of ``t`` (1.0) into ``out``, held by ``latch`` and
+    ending at ``done``, on a stream closed since: a write of 2.0 on ``w`` waits
+    for it (write after read). Releases the latch."""
+    try:
+        with t.writing(w):
+            ops.fill(w, t.array, 2.0)
+        assert _held(w), "the writer did not wait for the closed stream's read"
+    finally:
+        latch.release()
+    done.synchronize()
+    w.synchronize()
+    assert (ops.to_host(out) == 1).all() and (ops.to_host(t.array) == 2).all()
+
+
 @pytest.mark.parametrize("how", ["consume(stream=)", "export(stream=)"])
 async def test_closing_the_consumers_stream_keeps_the_producer_working(
     ops: DeviceOps, how: str
@@ -203,15 +226,7 @@ async def test_closing_the_consumers_stream_keeps_the_producer_working(
             cs.export(t, stream=s)
         ops.copy(s, out, cs.read_interface(arr))
         done = s.record()
-    try:
-        with t.writing(w):
-            ops.fill(w, arr, 2.0)
-        assert _held(w), "the writer did not wait for the closed stream's read"
-    finally:
-        latch.release()
-    done.synchronize()
-    w.synchronize()
-    assert (ops.to_host(out) == 1).all() and (ops.to_host(arr) == 2).all()
+    _the_next_write_waits_for_the_read(ops, t, w, latch, done, out)
     for _ in range(20):  # and it stays usable: every later use, every re-track
         with cs.track(arr).writing(p):
             ops.fill(p, arr, 3.0)
@@ -271,57 +286,37 @@ def test_a_stream_closed_inside_a_writing_block_on_it_keeps_the_blocks_write(
 
 
 @pytest.mark.parametrize("how", CLOSERS)
-def test_a_stream_closed_inside_a_reading_block_on_it_keeps_the_blocks_read(
-    ops: DeviceOps, how: str
+@pytest.mark.parametrize("via", ["reading() block", "consume(stream=)"])
+def test_a_stream_closed_with_a_read_open_on_it_is_waited_for_by_the_next_writer(
+    ops: DeviceOps, how: str, via: str
 ) -> None:
-    """The next writer waits for the closed stream's read (write after read)."""
+    """Write after read: a read open on ``r`` when it closes, as a ``reading()``
+    block (closed inside it) or a consumer's read that ``consume(t,
+    stream=r)`` leaves to record later, is recorded as ``r`` closes (also from
+    a finalizer, whose wrapper says closed before its listeners record): the
+    next writer waits for it, and the array stays writable."""
     arr = ops.array(np.ones(64, "float32"))
     out = ops.array(np.zeros(64, "float32"))
     t = cs.track(arr)
     r, w = cs.Stream(), cs.Stream()
     latch = ops.latch(r)
     try:
-        with t.reading(r):
-            ops.copy(r, out, arr)
+        if via == "reading() block":
+            with t.reading(r):
+                ops.copy(r, out, arr)
+                done = r.record()
+                _close_now(r, how)
+        else:
+            view = cs.consume_blocking(t, stream=r)
+            ops.copy(r, out, view)
             done = r.record()
+            del view
             _close_now(r, how)
-        with t.writing(w):
-            ops.fill(w, arr, 2.0)
-        assert _held(w), "the writer did not wait for the closed stream's read"
-    finally:
+    except BaseException:
         latch.release()
-    done.synchronize()
-    w.synchronize()
-    assert (ops.to_host(out) == 1).all() and (ops.to_host(arr) == 2).all()
-
-
-@pytest.mark.parametrize("how", CLOSERS)
-def test_a_consumers_stream_closed_with_its_read_lazy_is_waited_for_by_the_next_writer(
-    ops: DeviceOps, how: str
-) -> None:
-    """``consume(t, stream=c)`` leaves its read to record later; closing ``c``
-    (from a finalizer too, whose wrapper says closed before its listeners
-    record) records it: the next writer waits, and the array stays writable."""
-    arr = ops.array(np.ones(64, "float32"))
-    out = ops.array(np.zeros(64, "float32"))
-    t = cs.track(arr)
-    c, w = cs.Stream(), cs.Stream()
-    latch = ops.latch(c)
-    try:
-        view = cs.consume_blocking(t, stream=c)
-        ops.copy(c, out, view)
-        done = c.record()
-        del view
-        _close_now(c, how)
-        with t.writing(w):
-            ops.fill(w, arr, 2.0)
-        assert _held(w), "the writer did not wait for the closed stream's read"
-    finally:
-        latch.release()
-    done.synchronize()
-    w.synchronize()
-    assert (ops.to_host(out) == 1).all() and (ops.to_host(arr) == 2).all()
-    with t.writing(w):  # and it stays writable
+        raise
+    _the_next_write_waits_for_the_read(ops, t, w, latch, done, out)
+    with t.writing(w):
         ops.fill(w, arr, 3.0)
     w.synchronize()
 
@@ -797,21 +792,29 @@ async def test_a_consume_timing_out_on_another_tasks_block_names_a_task(
         with pytest.raises(TimeoutError, match="another task's writing"):
             await cs.consume(t, timeout=0.02)
         leave.set()
-    held, done = threading.Event(), threading.Event()
+    with _writing_in_another_thread(t, s):
+        with pytest.raises(TimeoutError, match="another thread's writing"):
+            await cs.consume(t, timeout=0.02)
+
+
+@contextlib.contextmanager
+def _writing_in_another_thread(t: cs.TrackedArray, s: cs.Stream) -> Iterator[threading.Event]:
+    """Another thread holds ``t.writing(s)`` open for the body of the block, or
+    until the body sets the event it is given."""
+    entered, leave = threading.Event(), threading.Event()
 
     def hold() -> None:
         with t.writing(s):
-            held.set()
-            done.wait(10)
+            entered.set()
+            leave.wait(10)
 
     th = threading.Thread(target=hold)
     th.start()
     try:
-        assert held.wait(10)
-        with pytest.raises(TimeoutError, match="another thread's writing"):
-            await cs.consume(t, timeout=0.02)
+        assert entered.wait(10)
+        yield leave
     finally:
-        done.set()
+        leave.set()
         th.join(10)
 
 
@@ -920,39 +923,28 @@ async def test_consume_all_onto_a_stream_returns_with_no_await_after_any_handoff
     out = ops.array(np.zeros(64, "float32"))
     with t1.writing(p):
         ops.fill(p, t1.array, 1.0)
-    in_block, let_go = threading.Event(), threading.Event()
+    with _writing_in_another_thread(t2, w2) as let_go:
+        latch = ops.latch(w)
 
-    def holder() -> None:
-        with t2.writing(w2):
-            in_block.set()
-            let_go.wait(10)
+        async def consumer() -> None:
+            views = await cs.consume_all(t1, t2, stream=s, timeout=10)
+            ops.copy(s, out, views[0].with_stream(None))
 
-    th = threading.Thread(target=holder)
-    th.start()
-    assert in_block.wait(10)
-    latch = ops.latch(w)
+        async def writer() -> None:
+            await anyio.sleep(0.05)  # the consumer waits for t2's block now
+            with t1.writing(w):
+                ops.fill(w, t1.array, 3.0)
+            let_go.set()
 
-    async def consumer() -> None:
-        views = await cs.consume_all(t1, t2, stream=s, timeout=10)
-        ops.copy(s, out, views[0].with_stream(None))
-
-    async def writer() -> None:
-        await anyio.sleep(0.05)  # the consumer waits for t2's block now
-        with t1.writing(w):
-            ops.fill(w, t1.array, 3.0)
-        let_go.set()
-
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(consumer)
-            tg.start_soon(writer)
-        assert _held(s), "s did not wait for the write made during the call"
-    finally:
-        latch.release()
-        let_go.set()
-        th.join(10)
-        for stream in (s, w, w2):
-            stream.synchronize()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consumer)
+                tg.start_soon(writer)
+            assert _held(s), "s did not wait for the write made during the call"
+        finally:
+            latch.release()
+    for stream in (s, w, w2):
+        stream.synchronize()
     assert (ops.to_host(out) == 3.0).all(), ops.to_host(out)[:4]
 
 
