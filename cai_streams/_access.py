@@ -25,6 +25,7 @@ from typing import Protocol
 
 from . import _capture, _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
+from ._device import OnDevice
 from ._errors import CaptureError
 from ._events import EventPool, Mark, pool_for, record
 from ._identity import StreamId, thread_serial
@@ -156,8 +157,9 @@ class Access:
         key = self.key if on is None else on
         pool = pool_for(self.work.backend, key.device)  # an event of the stream's device
         event = pool.acquire()
-        try:
-            self.mark = mark = record(self.work.backend, event, key)
+        try:  # (handles 1 and 2 name the current device's streams: key's, inside)
+            with OnDevice(self.work.backend, key.device, key.handle):
+                self.mark = mark = record(self.work.backend, event, key)
         except BaseException:
             pool.release(event)
             raise

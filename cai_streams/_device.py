@@ -10,12 +10,12 @@ from __future__ import annotations
 import operator
 from typing import TYPE_CHECKING
 
-from ._backend import Backend, current_backend
+from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 
 if TYPE_CHECKING:
     from ._interface import ArrayView
 
-__all__ = ["current_device", "device_count", "device_of", "set_device"]
+__all__ = ["OnDevice", "current_device", "device_count", "device_of", "set_device"]
 
 
 def device_count() -> int:
@@ -55,3 +55,26 @@ def device_of(backend: Backend, view: ArrayView) -> int:
         except ValueError:
             pass
     return backend.current_device()
+
+
+class OnDevice:
+    """``with OnDevice(backend, device, handle):`` handles 1 and 2 name the
+    current device's streams: make it ``device`` inside. (A class: a handoff
+    enters one for every view it hands to a stream.)"""
+
+    __slots__ = ("_backend", "_device", "_previous")
+
+    def __init__(self, backend: Backend, device: int, handle: int) -> None:
+        self._backend = backend
+        self._device = device
+        self._previous: int | None = None
+        if handle in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM):
+            self._previous = backend.current_device()
+
+    def __enter__(self) -> None:
+        if self._previous is not None and self._previous != self._device:
+            self._backend.set_device(self._device)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._previous is not None and self._previous != self._device:
+            self._backend.set_device(self._previous)

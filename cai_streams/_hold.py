@@ -44,8 +44,9 @@ import weakref
 from typing import Final
 
 from . import _capture_guard, _observe
-from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
+from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, current_backend
 from ._deferred import in_collection, later
+from ._device import OnDevice
 from ._errors import CaptureError, CudaError, CudaWarning, KernelError
 from ._events import EventPool, Mark, lone, pool_for, record
 from ._hold_table import Hold, Ranges, table, tick
@@ -64,29 +65,6 @@ def nbytes_of(owner: object) -> int:
     """The bytes ``owner`` says it has (``nbytes``), else 0. Reads no interface."""
     nbytes = getattr(owner, "nbytes", 0)
     return nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else 0
-
-
-class _OnDevice:
-    """``with _OnDevice(backend, device, handle):`` handles 1 and 2 name the
-    current device's streams: make it ``device`` inside. (A class: a handoff
-    enters one for every view it hands to a stream.)"""
-
-    __slots__ = ("_backend", "_device", "_previous")
-
-    def __init__(self, backend: Backend, device: int, handle: int) -> None:
-        self._backend = backend
-        self._device = device
-        self._previous: int | None = None
-        if handle in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM):
-            self._previous = backend.current_device()
-
-    def __enter__(self) -> None:
-        if self._previous is not None and self._previous != self._device:
-            self._backend.set_device(self._device)
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._previous is not None and self._previous != self._device:
-            self._backend.set_device(self._previous)
 
 
 def _view_ranges(view: ArrayView) -> Ranges:
@@ -120,7 +98,7 @@ def _record_hold(
     pool = pool_for(key.backend, key.device)
     event = pool.acquire()  # its queries run in the relaxed capture mode
     try:
-        with _OnDevice(key.backend, key.device, key.handle):
+        with OnDevice(key.backend, key.device, key.handle):
             mark = record(key.backend, event, key)
     except CaptureError:  # the legacy stream, a blocking stream's capture begun meanwhile
         _CapturedRecord(pool, event, key, owner, nbytes, ranges, recorded=False).wait()
@@ -246,7 +224,7 @@ class _CapturedRecord:
         if _waits_for_capture(on):
             return False
         try:
-            with _OnDevice(on.backend, on.device, on.handle):
+            with OnDevice(on.backend, on.device, on.handle):
                 mark = record(on.backend, self.event, on)
         except CaptureError:  # the legacy stream, while a blocking stream began one
             return False
@@ -336,7 +314,7 @@ def _waits_for_capture(on: StreamId) -> bool:
     would invalidate that capture). A stream that cannot say (gone, faulted)
     need not: the record that follows fails the same way, and deals with it."""
     try:
-        with _OnDevice(on.backend, on.device, on.handle):
+        with OnDevice(on.backend, on.device, on.handle):
             return _capture_guard.capturing(on.backend, on) is True
     except CaptureError:  # the legacy stream, while a blocking stream captures
         return True
@@ -367,7 +345,7 @@ def _record_in_collection(key: StreamId, owner: object, nbytes: int, ranges: Ran
         return
     backend = key.backend
     try:
-        with _OnDevice(backend, key.device, key.handle):
+        with OnDevice(backend, key.device, key.handle):
             event = backend.create_event(key.device)
             try:
                 backend.record(event, key.handle)

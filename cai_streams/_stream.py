@@ -200,13 +200,17 @@ class Stream:
         return self._same_stream(keepalive)
 
     def _open_for_records(self) -> None:
-        """ValueError if this stream is closed, except while its close tells its
-        listeners (closed in a garbage collection, its wrapper says closed
-        first; the stream still exists, and what listens records there)."""
+        """ValueError if this stream is closed (or the stream it borrows is),
+        except while its close tells its listeners (closed in a garbage
+        collection, its wrapper says closed first; the stream still exists,
+        and what listens records there)."""
+        lifetime = self._lifetime
+        if lifetime is not None and lifetime.ending:
+            return
         if self._closed:
-            lifetime = self._lifetime
-            if lifetime is None or not lifetime.ending:
-                raise ValueError("this Stream is closed")
+            raise ValueError("this Stream is closed")
+        if lifetime is not None and lifetime.closed:
+            raise ValueError("the stream this Stream borrows was closed")
 
     def _same_stream(self, keepalive: object = None) -> Stream:
         """A borrowed wrapper of this very stream, unchecked: also for what

@@ -138,6 +138,33 @@ def test_a_tracked_array_exports_a_stream_of_its_own_device(
     np.testing.assert_array_equal(ops.to_host(arr), 5.0)
 
 
+def test_a_read_open_on_device_1s_legacy_stream_is_waited_for_from_device_0(
+    ops: DeviceOps,
+) -> None:
+    """``consume(t, stream=1)`` with device 1 current leaves a read open on
+    device 1's legacy stream; a writer while device 0 is current records it on
+    that stream (handle 1 names the current device's: device 1 is made current
+    for the record), so the write waits for the held copy."""
+    with on_device(1):
+        arr = ops.array(np.ones(N, np.float32))
+        out = ops.array(np.zeros(N, np.float32))
+        legacy1 = cs.Stream.wrap(1)
+        t = cs.track(arr)
+        latch = ops.latch(legacy1)
+        ops.copy(legacy1, out, cs.consume_blocking(t, stream=legacy1))
+    w = cs.Stream(device=1)
+    try:
+        with t.writing(w):  # device 0 is current here
+            ops.fill(w, arr, 2.0)
+        assert not w.record().is_done, "the write did not wait for the read on device 1"
+    finally:
+        latch.release()
+    w.synchronize()
+    with on_device(1):
+        legacy1.synchronize()
+    np.testing.assert_array_equal(ops.to_host(out), 1.0)
+
+
 def test_a_zero_size_array_is_tracked_on_the_device_it_says(ops: DeviceOps) -> None:
     """No pointer to ask the driver about: the array's ``__dlpack_device__``
     says where it is (CuPy, PyTorch and the simulator give one)."""
