@@ -549,18 +549,43 @@ class _Lease:
             self._record(on)
 
 
+class _InLease:
+    """A view's uses counted in one lease (an entry of ``ArrayView._leases``:
+    one per lease, however often the view is handed to its stream)."""
+
+    __slots__ = ("lease", "uses")
+
+    def __init__(self, lease: _Lease) -> None:
+        self.lease = lease
+        self.uses = 0
+
+
 class ViewLease(weakref.ref[ArrayView]):
     """A view handed to a stream, counted in its owner's lease on that stream
     until it is released (collected) or its ``consuming()`` block ends."""
 
-    __slots__ = ("lease", "use")
+    __slots__ = ("entry", "lease", "use")
 
     def __new__(cls, view: ArrayView, lease: _Lease) -> ViewLease:
         return super().__new__(cls, view, _view_released)
 
     def __init__(self, view: ArrayView, lease: _Lease) -> None:
+        """``_in_use_lock`` held: counts one use of ``view`` in ``lease``."""
         self.lease = lease
         self.use = _Use.COUNTED
+        lease.views += 1
+        lease.refs[id(self)] = self
+        for entry in view._leases:  # (one per lease: a short list)
+            if entry.lease is lease:
+                break
+        else:
+            entry = _InLease(lease)
+            if view._leases:
+                view._leases.append(entry)
+            else:
+                _set_leases(view, [entry])
+        entry.uses += 1
+        self.entry: _InLease = entry
 
     def _let_go(self) -> bool:
         """COUNTED -> DONE; whether it was the lease's last view in use."""
@@ -568,6 +593,7 @@ class ViewLease(weakref.ref[ArrayView]):
         with _in_use_lock:
             self.use = _Use.DONE
             lease.views -= 1
+            self.entry.uses -= 1
             del lease.refs[id(self)]
             if lease.views or lease.state is not LeaseState.IN_USE:
                 if lease.views:
@@ -641,11 +667,8 @@ def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
         new = lease is None
         if lease is None:
             lease = _in_use[index] = _Lease(view, stream, key)
-        lease.views += 1
         lease.nbytes = max(lease.nbytes, view.nbytes)
         ref = ViewLease(view, lease)
-        lease.refs[id(ref)] = ref
-        _set_leases(view, (*view._leases, ref))
         if _observe.active:
             ranges = _view_ranges(view)
             lease.ranges += tuple(r for r in ranges if r not in lease.ranges)
@@ -662,18 +685,15 @@ def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
 
 def join_leases(source: ArrayView, derived: ArrayView) -> None:
     """``derived`` was made from ``source`` (``with_stream``): it joins each
-    lease still counting ``source``, so the owner is held until each stream
-    passes the work enqueued while ``derived`` is in use too. A lease whose
-    ``consuming()`` block ended, or that recorded already, is not joined."""
-    for ref in source._leases:
-        lease = ref.lease
+    lease still counting ``source`` (once each), so the owner is held until
+    each stream passes the work enqueued while ``derived`` is in use too. A
+    lease whose ``consuming()`` block ended, or that recorded already, is not
+    joined."""
+    for entry in list(source._leases):
+        lease = entry.lease
         with lease._lock, _in_use_lock:  # (as settle: no record in between)
-            if ref.use is not _Use.COUNTED or lease.state is not LeaseState.IN_USE:
-                continue
-            lease.views += 1
-            joined = ViewLease(derived, lease)
-            lease.refs[id(joined)] = joined
-            _set_leases(derived, (*derived._leases, joined))
+            if entry.uses and lease.state is LeaseState.IN_USE:
+                ViewLease(derived, lease)
 
 
 def view_done(view: ArrayView, stream: Stream, lease: ViewLease | None) -> None:

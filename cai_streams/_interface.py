@@ -106,9 +106,10 @@ class _ViewSlots:
     stream: int | None
     owner: object
     _cai: dict[str, Any] | None
-    #: the view's leases (``_hold.ViewLease``): one per stream it was handed
-    #: to; a view made from it with ``with_stream`` joins each still counting it
-    _leases: tuple[Any, ...]
+    #: the view's leases (``_hold.ViewLease``): one per handoff to a stream
+    #: (a list once there is one); a view made from it with ``with_stream``
+    #: joins each still counting it
+    _leases: tuple[()] | list[Any]
 
 
 class ArrayView(_ViewSlots):

@@ -154,6 +154,8 @@ class PendingWork:
         accesses = self.writes if new.kind is Kind.WRITE else self.reads
         captured = new.captured
         for i, old in enumerate(accesses):
+            if old is new:  # (a block's record at close, added again at its exit)
+                return
             if old.key != new.key or old.disjoint != new.disjoint or old.captured != captured:
                 continue
             if old.state is AccessState.LAZY and new.state is not AccessState.LAZY:
@@ -184,14 +186,18 @@ class PendingWork:
         return None
 
     def _see_own_blocks(self, kind: Kind, disjoint: bool, me: Owner) -> None:
-        """The caller's own open blocks count with what they enqueued so far."""
+        """The caller's own open blocks count with what they enqueued so far
+        (a block whose stream closed: with its record at the close; a
+        ``consuming()`` body's, with the consumer's read its close recorded)."""
         for block in self.blocks:
             if block.owner == me and block.conflicts(kind, disjoint):
-                snapshot = Access.recorded(
-                    self, block.kind, block.stream, block.key, block.disjoint
-                )
-                snapshot.group = block.group
-                self._add(snapshot)
+                snapshot = block.at_close
+                if snapshot is None:
+                    if not block.stream._recordable:
+                        continue
+                    snapshot = self._record_block(block)
+                if snapshot.state is not AccessState.RELEASED:  # (else complete, let go)
+                    self._add(snapshot)
 
     def own_stream(self, *, sync: bool | None = None) -> Stream | None:
         """The stream the buffer's own interface names as pending now, if any
@@ -268,12 +274,23 @@ class PendingWork:
         enqueued so far, all it can: nothing runs on a closed stream after.
         (A body enqueueing in another thread while this runs races the close
         itself: what lands after this record is not covered.)"""
+        errors: list[Exception] = []
         with self._locked():
             for block in self.blocks:
                 lifetime = block.stream._lifetime
-                if block.at_close is None and lifetime is not None and lifetime.ending:
-                    block.at_close = self._record_block(block)
+                if (
+                    block.records_at_exit
+                    and block.at_close is None
+                    and lifetime is not None
+                    and lifetime.ending
+                ):
+                    try:
+                        block.at_close = self._record_block(block)
+                    except Exception as exc:  # every other block records first
+                        errors.append(exc)
             self._fence()
+        if errors:
+            raise errors[0]
 
     def order_after(
         self,
@@ -458,7 +475,8 @@ class PendingWork:
                 for a in block.covered:  # (a captured write replaces no ordinary work)
                     if a.state is not AccessState.RELEASED and (a.captured or not new.captured):
                         self._drop(a)
-                self._add(new)
+                if new.state is not AccessState.RELEASED:  # (its record at close, found done)
+                    self._add(new)
                 if new.mark is not None and new.mark.captured and self._began_in(block):
                     block.covered = []  # (released: nothing of them is needed any more)
                     self.unfenced.append(block)  # a capture began in it (see _fence)
@@ -476,7 +494,8 @@ class PendingWork:
         """Lock held: stop listening to ``lifetime`` unless an open block or a
         block left to fence is on its stream."""
         if lifetime is not None and all(
-            b.stream._lifetime is not lifetime for b in (*self.blocks, *self.unfenced)
+            b.stream._lifetime is not lifetime
+            for b in (*(b for b in self.blocks if b.records_at_exit), *self.unfenced)
         ):
             lifetime.forget(self)
 
@@ -543,7 +562,9 @@ class PendingWork:
             self._declare_stream_read(s, "consume(stream=...): the consumer's read")
             if not block:
                 return None
-            opened = OpenBlock(Kind.READ, False, s, key, me, [], self.group, "consuming()")
+            opened = OpenBlock(
+                Kind.READ, False, s, key, me, [], self.group, "consuming()", records_at_exit=False
+            )
             self.blocks.append(opened)
             return opened
 

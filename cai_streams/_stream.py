@@ -199,18 +199,18 @@ class Stream:
         self.handle  # noqa: B018 - a closed stream cannot be borrowed
         return self._same_stream(keepalive)
 
-    def _open_for_records(self) -> None:
-        """ValueError if this stream is closed (or the stream it borrows is),
-        except while its close tells its listeners (closed in a garbage
+    @property
+    def _recordable(self) -> bool:
+        """Open, or closing and telling its listeners (closed in a garbage
         collection, its wrapper says closed first; the stream still exists,
         and what listens records there)."""
         lifetime = self._lifetime
-        if lifetime is not None and lifetime.ending:
-            return
-        if self._closed:
-            raise ValueError("this Stream is closed")
-        if lifetime is not None and lifetime.closed:
-            raise ValueError("the stream this Stream borrows was closed")
+        return (lifetime is not None and lifetime.ending) or not self.closed
+
+    def _open_for_records(self) -> None:
+        """ValueError unless :attr:`_recordable`."""
+        if not self._recordable:
+            self.handle  # noqa: B018 - raises, saying which stream is closed
 
     def _same_stream(self, keepalive: object = None) -> Stream:
         """A borrowed wrapper of this very stream, unchecked: also for what

@@ -302,7 +302,8 @@ def export(obj: object, *, stream: object = None) -> dict[str, Any]:
     if found is not None:
         return _export_work(found[0], stream)
     view = parse(obj)
-    cai = view.with_stream(None).__cuda_array_interface__
+    cai = view.__cuda_array_interface__  # (a copy: no throwaway view, which would
+    cai["stream"] = None  # join a lease of a view handed to a stream)
     if not settings.export_stream or view.stream is None:
         return cai
     sched = scheduler_for(backend, device_of(backend, view))  # the array's device

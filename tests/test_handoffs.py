@@ -31,6 +31,7 @@ import pytest
 import cai_streams as cs
 from cai_streams import sim
 from cai_streams._hold_table import table
+from cai_streams._pending import PendingWork
 
 from .device_ops import DeviceOps, Latch, SimOps
 from .model import recycled_stream_handles, until
@@ -319,6 +320,57 @@ def test_a_stream_closed_with_a_read_open_on_it_is_waited_for_by_the_next_writer
     with t.writing(w):
         ops.fill(w, arr, 3.0)
     w.synchronize()
+
+
+@pytest.mark.parametrize("wrapper", ["owned", "borrowed"])
+def test_inside_a_block_whose_stream_closed_the_owner_sees_the_blocks_work(
+    ops: DeviceOps, wrapper: str
+) -> None:
+    """The block's own owner consumes the array inside the block, after the
+    stream closed (and its handle went to a new stream): the consume orders
+    after the block's record at the close, not a record on the new stream (or
+    an error)."""
+    arr = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    s = cs.Stream()
+    on = s if wrapper == "owned" else cs.Stream.wrap(s)
+    latch = ops.latch(s)
+    try:
+        with t.writing(on):
+            ops.fill(on, arr, 7.0)
+            s.close()
+            again = cs.Stream()  # the simulator hands the handle out again, as CUDA does
+            with pytest.raises(TimeoutError):
+                cs.consume_blocking(t, timeout=0.05)  # the fill is held
+    finally:
+        latch.release()
+    view = cs.consume_blocking(t, timeout=10)
+    assert (ops.to_host(view) == 7).all()
+    again.close()
+
+
+async def test_a_consuming_body_and_a_block_inside_it_on_a_stream_that_closes_leak_nothing(
+    sim_backend: cs.Backend,
+) -> None:
+    """The body's read is the consumer's read (its close records it); the
+    block records at the close. Nothing keeps an event, and nothing still
+    listens to a stream for an array that is gone."""
+    s0 = cs.Stream()
+    base = _settled_in_flight(s0)
+    for _ in range(20):
+        t = cs.track(sim.asarray(np.zeros(8, "float32")))
+        s = cs.Stream()
+        async with cs.consuming(t, stream=s, timeout=5):
+            with t.reading(s):
+                s.close()
+        async with cs.consuming(t, stream=s0, timeout=5):
+            with t.reading(s0):
+                pass
+    del t
+    gc.collect()
+    assert _settled_in_flight(s0) <= base
+    listeners = s0._lifetime._listeners  # type: ignore[union-attr]
+    assert not any(isinstance(x, PendingWork) for x in listeners), listeners
 
 
 def _close_during_the_first_record_on(

@@ -464,6 +464,31 @@ def test_a_loop_of_views_of_one_owner_on_one_stream_records_one_hold_and_keeps_t
     assert released_soon(ref)
 
 
+def test_a_view_handed_again_and_again_to_its_stream_keeps_one_entry_per_lease(
+    ops: DeviceOps,
+) -> None:
+    """A view is its own parse, and ``with_stream`` of its own stream is
+    itself: handed to its stream in a loop, it is counted once per handoff,
+    in one entry (the list does not grow, nor what ``with_stream`` joins); an
+    export of it makes no view that joins its lease."""
+    s = cs.Stream()
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    view = cs.consume_blocking(box, stream=s)
+    for _ in range(200):
+        assert cs.consume_blocking(view, stream=s) is view
+    assert len(view._leases) == 1 and view._leases[0].uses == 201
+    lease = view._leases[0].lease
+    views = lease.views
+    cs.export(view)
+    assert lease.views == views  # no throwaway view joined
+    derived = view.with_stream(None)
+    assert len(derived._leases) == 1 and lease.views == views + 1
+    del derived
+    cs.stats()
+    cs.stats()
+    assert lease.views == views
+
+
 def test_views_of_one_owner_on_two_streams_or_two_owners_on_one_stream_are_not_merged(
     ops: DeviceOps,
 ) -> None:
