@@ -214,12 +214,21 @@ def schedulers_of(backend: Backend) -> list[Scheduler]:
 
 
 def find_work(backend: Backend, obj: object) -> PendingWork | None:
-    """The pending work of ``obj`` on whichever device it is tracked. Does not block."""
+    """The pending work of ``obj`` on whichever device it is tracked, on
+    ``backend`` first, then on any other backend in use (an array tracked
+    before another backend was made current). Does not block."""
     release_holds()  # every handoff, export and track() passes here: a bounded step
     for sched in _of_backend.get(backend, ()):
         work = sched.work_of(obj)
         if work is not None:
             return work
+    if len(_of_backend) > (backend in _of_backend):  # (only this one in use: nothing more)
+        for other, scheds in list(_of_backend.items()):
+            if other is not backend:
+                for sched in scheds:
+                    work = sched.work_of(obj)
+                    if work is not None:
+                        return work
     return None
 
 

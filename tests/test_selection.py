@@ -197,3 +197,14 @@ def test_a_tracked_array_consumed_while_another_backend_is_current_waits_on_its_
         assert cs.consume_blocking(t, stream=s).stream == s.handle
     with pytest.raises(ValueError, match="belongs to the 'decoy' backend"):
         cs.consume_blocking(t, stream=cs.Stream())
+    gate.clear()
+    with cs.sanitize(False), t.writing(s):  # the raw array, tracked, is found too
+        sim.launch(s, lambda x: (gate.wait(10), x.fill(5.0)), arr, writes=[arr])
+    try:
+        with pytest.raises(TimeoutError):
+            cs.consume_blocking(arr, timeout=0.05)
+    finally:
+        gate.set()
+    with cs.sanitize(False):
+        got = sim._numpy_view(cs.consume_blocking(arr, timeout=10))
+        assert got is not None and (got == 5.0).all()
