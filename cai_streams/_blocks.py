@@ -135,8 +135,12 @@ def wait_block_sync(block: OpenBlock, me: Owner, deadline: float, what: str) -> 
 async def wait_block_async(block: OpenBlock, deadline: float | None) -> None:
     """Wait until ``block`` ends, yielding to the event loop (never holding a
     thread lock); TimeoutError at ``deadline`` (``anyio.current_time()``)."""
-    delays = iter(poll_policy().delays())
+    policy = poll_policy()
+    delays = iter(policy.delays())
     while not block.done.is_set():
+        if poll_policy() is not policy:  # (set_poll_policy: from the next pass on)
+            policy = poll_policy()
+            delays = iter(policy.delays())
         delay = next(delays)
         if deadline is not None:
             left = deadline - anyio.current_time()

@@ -127,7 +127,9 @@ def poll_policy() -> PollPolicy:
 def set_poll_policy(policy: PollPolicy) -> PollPolicy:
     """Use ``policy`` from the next pass on, in every event loop; returns the old one.
 
-    Does not block.
+    A poller asleep between passes ends that sleep first (its length was the
+    old policy's: at most its ``cap``, or its ``fallback`` while every stream
+    has a bell). Does not block.
     """
     global _policy
     if not isinstance(policy, PollPolicy):
@@ -325,7 +327,8 @@ class _Poller:
 
     async def _run(self, generation: int) -> None:
         try:
-            delays = iter(_policy.delays())
+            built = _policy  # the policy ``delays`` follows: a new one restarts it
+            delays = iter(built.delays())
             woken = Woken.PASS
             full_pass_at = 0.0  # when the last pass over every head began
             while self.queues:
@@ -340,9 +343,10 @@ class _Poller:
                 # found its streams idle, and must not back off to arm every head
                 # (bells chain by themselves while completions are sparse).
                 woke = await self._pass(skip_armed=skip_armed)
-                if woke or self.new_waiter or woken is Woken.RUNG:
+                if woke or self.new_waiter or woken is Woken.RUNG or _policy is not built:
                     self.new_waiter = False
-                    delays = iter(_policy.delays())
+                    built = _policy
+                    delays = iter(built.delays())
                 if not self.queues:
                     break  # end now, before the waiters just woken resume
                 policy = _policy

@@ -459,6 +459,43 @@ async def test_low_latency_policy_waits_correctly(ops: DeviceOps) -> None:
     assert (ops.to_host(arr) == 2).all()
 
 
+async def test_a_policy_set_while_a_waiter_is_parked_is_followed_from_the_next_pass(
+    ops: DeviceOps,
+) -> None:
+    """A poller parked with one policy takes another from its next pass: from
+    low latency's busy passes to the default, the pass rate falls; from a slow
+    policy to low latency, once the slow sleep ends, it rises. (Its delays were
+    made when a pass last woke someone: a new policy waited for a completion.)"""
+    s = cs.Stream()
+    _, producer = _on(ops, np.zeros(8, "float32"), s)
+    latch = ops.latch(s)
+
+    async def passes_in(seconds: float) -> int:
+        before = cs.stats()["poll_passes"]
+        await anyio.sleep(seconds)
+        return cs.stats()["poll_passes"] - before
+
+    slow = cs.PollPolicy(first=0.3, cap=0.3, wake="poll")
+    try:
+        cs.configure(poll=cs.PollPolicy.low_latency())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: cs.consume(producer, timeout=20))
+            await anyio.sleep(0.02)
+            busy = await passes_in(0.2)
+            cs.configure(poll=slow)
+            await anyio.sleep(0.05)  # (low latency's sleep is none: the next pass is now)
+            calm = await passes_in(0.6)
+            assert calm * 10 < busy, (calm, busy)
+            cs.configure(poll=cs.PollPolicy.low_latency())
+            await anyio.sleep(0.35)  # the slow sleep under way ends
+            again = await passes_in(0.2)
+            assert again > 10 * max(calm, 1), (again, calm)
+            latch.release()
+    finally:
+        latch.release()
+        cs.configure(poll=cs.PollPolicy())
+
+
 # -- blocking and validation ----------------------------------------------------
 
 
