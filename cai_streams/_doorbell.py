@@ -199,9 +199,11 @@ class _Lane:
 class _Bell:
     """One armed bell: its pipe, for the entry it was armed for."""
 
-    __slots__ = ("entry", "key", "lane", "loop_closed", "phase", "rfd", "wfd")
+    __slots__ = ("entry", "inode", "key", "lane", "loop_closed", "phase", "rfd", "wfd")
 
-    def __init__(self, entry: Armable, key: Hashable, lane: _Lane, rfd: int, wfd: int) -> None:
+    def __init__(
+        self, entry: Armable, key: Hashable, lane: _Lane, rfd: int, wfd: int, inode: int
+    ) -> None:
         self.entry = entry
         self.key = key
         self.lane = lane
@@ -209,6 +211,9 @@ class _Bell:
         #: the driver's to close, by the host function; the doorbell's only
         #: once an idle lane shows the function will never run (it was skipped)
         self.wfd = wfd
+        #: its pipe's: once the host function closed ``wfd``, the number may
+        #: name another bell's write end (``_Doorbell.handed``)
+        self.inode = inode
         self.phase = _Phase.WATCHED
         #: whether the event loop watching it has been closed (without its
         #: poller ending: then a sweep retires the bell)
@@ -343,7 +348,7 @@ class _Doorbell:
                     lane = None
                 else:  # from here on the write end is the driver's to close
                     lane.tail = entry.seq
-                    return self._watch(_Bell(entry, key, lane, rfd, wfd))
+                    return self._watch(_Bell(entry, key, lane, rfd, wfd, inode))
             self.fds -= 2
             del self.handed[wfd]
         os.close(rfd)  # never handed over: both ends are still ours
@@ -360,7 +365,9 @@ class _Doorbell:
             for i, orphan in enumerate(lane.orphans):
                 if orphan.entry.seq == entry.seq and orphan.entry.event == entry.event:
                     del lane.orphans[i]
-                    return self._watch(_Bell(entry, key, lane, orphan.rfd, orphan.wfd))
+                    return self._watch(
+                        _Bell(entry, key, lane, orphan.rfd, orphan.wfd, orphan.inode)
+                    )
         return None
 
     def _watch(self, bell: _Bell) -> _Bell:
@@ -462,9 +469,16 @@ class _Doorbell:
             else:
                 kept.append(bell)
                 continue
-            self.handed.pop(bell.wfd, None)
+            self._not_handed(bell)
             self.fds -= 2
         lane.orphans = kept
+
+    def _not_handed(self, bell: _Bell) -> None:
+        """Lock held: ``bell``'s write end is closed: forget it, unless its
+        number names another bell's write end by now (the host function closed
+        it, and a later pipe took the number: that one is still handed)."""
+        if self.handed.get(bell.wfd) == bell.inode:
+            del self.handed[bell.wfd]
 
     def _release(self, lane: _Lane) -> None:
         """Lock held: no bell of ``lane`` can still fire; another stream may use it."""
@@ -541,7 +555,7 @@ class _Doorbell:
             lane.watched -= 1
             if phase is _Phase.FIRED:
                 counters.fired += 1
-                self.handed.pop(bell.wfd, None)
+                self._not_handed(bell)
                 self.fds -= 1
                 if lane.orphans:  # the functions enqueued before it ran
                     self._close_orphans(lane, idle=False)

@@ -1027,3 +1027,29 @@ def test_bells_of_a_loop_closed_with_its_poller_running_are_retired() -> None:
     retired = after["doorbells_retired"] - before["doorbells_retired"]
     assert armed == fired + retired == 1
     s.close()
+
+
+def test_a_late_fired_report_forgets_only_its_own_write_end() -> None:
+    """A bell's host function closed write end N, and a new bell's pipe took
+    the number before the old bell's FIRED report was applied: the report must
+    not forget the new write end (then nothing would close it when its host
+    function is skipped, a device reset say, nor a forked child its copy)."""
+    doorbell = _doorbell._Doorbell()
+    low = os.open(os.devnull, os.O_RDONLY)  # freed later: the new read end takes it
+    r_old, w_old = os.pipe()
+    old = SimpleNamespace(wfd=w_old, inode=os.fstat(r_old).st_ino)
+    doorbell.handed[w_old] = old.inode
+    os.close(w_old)  # the host function ran
+    os.close(low)
+    r_new, w_new = os.pipe()
+    try:
+        assert w_new == w_old  # the number went to the new bell's write end
+        doorbell.handed[w_new] = os.fstat(r_new).st_ino
+        doorbell._not_handed(cast(Any, old))  # the old bell's late report
+        assert w_new in doorbell.handed
+        doorbell._close_if_ours(w_new)  # its host function was skipped: closed here
+        with pytest.raises(OSError):
+            os.fstat(w_new)
+    finally:
+        os.close(r_old)
+        os.close(r_new)
