@@ -55,7 +55,6 @@ class OpenBlock:
         "kind",
         "name",
         "owner",
-        "records_at_exit",
         "stream",
     )
 
@@ -72,13 +71,8 @@ class OpenBlock:
         *,
         began_capturing: bool = False,
         capture: object | None = None,
-        records_at_exit: bool = True,
     ) -> None:
         self.name = name  # what opened it, for the messages
-        #: its exit records its work (a ``writing()``/``reading()`` block, which
-        #: listens for its stream's close); False for a ``consuming()`` body,
-        #: whose work a consumer's read on the stream stands for
-        self.records_at_exit = records_at_exit
         #: its stream was capturing when it opened: a capture still under way
         #: when it ends began before the block's work, or in it (``_pending``)
         self.began_capturing = began_capturing

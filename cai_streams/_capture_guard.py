@@ -37,6 +37,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Final, Protocol
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, CaptureMode
+from ._device import OnDevice
 from ._errors import CaptureError, CudaError, KernelError
 from ._identity import StreamId, is_open, thread_serial
 
@@ -151,10 +152,20 @@ def capturing(backend: Backend, key: StreamId) -> bool | None:
     if key.generation and not is_open(key):  # a stream this library made, closed since
         return False  # (never ask the driver about a destroyed handle)
     try:
-        return backend.capture_status(key.handle) != "none"
+        return _capture_status(backend, key) != "none"
     except CudaError as exc:
         _gone_or_raise(exc, key)
         return False
+
+
+def _capture_status(backend: Backend, key: StreamId) -> str:
+    """The driver's capture status of ``key``'s stream. Handles 1 and 2 name
+    the current device's default streams: ``key``'s device is made current
+    around the ask (else another device's stream would answer)."""
+    if key.handle <= PER_THREAD_DEFAULT_STREAM:
+        with OnDevice(backend, key.device, key.handle):
+            return backend.capture_status(key.handle)
+    return backend.capture_status(key.handle)
 
 
 def stream_phase(backend: Backend, key: StreamId) -> StreamPhase:
@@ -165,7 +176,7 @@ def stream_phase(backend: Backend, key: StreamId) -> StreamPhase:
         return StreamPhase.GONE
     if key.handle != PER_THREAD_DEFAULT_STREAM or key.thread == thread_serial():
         try:
-            state = backend.capture_status(key.handle) != "none"
+            state = _capture_status(backend, key) != "none"
         except CudaError as exc:
             _gone_or_raise(exc, key)
             return StreamPhase.GONE
@@ -232,6 +243,9 @@ def _query_idle(backend: Backend, key: StreamId) -> bool:
     """cudaStreamQuery of a stream known not to capture, in relaxed mode."""
     previous = backend.exchange_capture_mode("relaxed")  # (inline, as in query_event:
     try:  # every host consume of an idle producer comes here)
+        if key.handle <= PER_THREAD_DEFAULT_STREAM:  # (the current device's: key's, here)
+            with OnDevice(backend, key.device, key.handle):
+                return backend.query_stream(key.handle)
         return backend.query_stream(key.handle)
     finally:
         backend.exchange_capture_mode(previous)

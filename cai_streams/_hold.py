@@ -575,13 +575,15 @@ class ViewLease(weakref.ref[ArrayView]):
         self.use = _Use.COUNTED
         lease.views += 1
         lease.refs[id(self)] = self
-        for entry in view._leases:  # (one per lease: a short list)
+        leases = view._leases
+        for entry in leases:  # (one per lease it is counted in: a short list)
             if entry.lease is lease:
                 break
         else:
             entry = _InLease(lease)
-            if view._leases:
-                view._leases.append(entry)
+            if leases:  # the entries no use counts any more go (a lease per round
+                leases[:] = [e for e in leases if e.uses]  # of a consuming() loop)
+                leases.append(entry)
             else:
                 _set_leases(view, [entry])
         entry.uses += 1

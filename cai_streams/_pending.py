@@ -187,14 +187,11 @@ class PendingWork:
 
     def _see_own_blocks(self, kind: Kind, disjoint: bool, me: Owner) -> None:
         """The caller's own open blocks count with what they enqueued so far
-        (a block whose stream closed: with its record at the close; a
-        ``consuming()`` body's, with the consumer's read its close recorded)."""
+        (a block whose stream closed: with its record at the close)."""
         for block in self.blocks:
             if block.owner == me and block.conflicts(kind, disjoint):
                 snapshot = block.at_close
-                if snapshot is None:
-                    if not block.stream._recordable:
-                        continue
+                if snapshot is None:  # (a stream gone without it: ValueError)
                     snapshot = self._record_block(block)
                 if snapshot.state is not AccessState.RELEASED:  # (else complete, let go)
                     self._add(snapshot)
@@ -278,12 +275,7 @@ class PendingWork:
         with self._locked():
             for block in self.blocks:
                 lifetime = block.stream._lifetime
-                if (
-                    block.records_at_exit
-                    and block.at_close is None
-                    and lifetime is not None
-                    and lifetime.ending
-                ):
+                if block.at_close is None and lifetime is not None and lifetime.ending:
                     try:
                         block.at_close = self._record_block(block)
                     except Exception as exc:  # every other block records first
@@ -494,8 +486,7 @@ class PendingWork:
         """Lock held: stop listening to ``lifetime`` unless an open block or a
         block left to fence is on its stream."""
         if lifetime is not None and all(
-            b.stream._lifetime is not lifetime
-            for b in (*(b for b in self.blocks if b.records_at_exit), *self.unfenced)
+            b.stream._lifetime is not lifetime for b in (*self.blocks, *self.unfenced)
         ):
             lifetime.forget(self)
 
@@ -562,10 +553,11 @@ class PendingWork:
             self._declare_stream_read(s, "consume(stream=...): the consumer's read")
             if not block:
                 return None
-            opened = OpenBlock(
-                Kind.READ, False, s, key, me, [], self.group, "consuming()", records_at_exit=False
-            )
+            opened = OpenBlock(Kind.READ, False, s, key, me, [], self.group, "consuming()")
             self.blocks.append(opened)
+            lifetime = s._lifetime
+            if lifetime is not None:  # closing it in the body records the body's work
+                lifetime.listen(self)
             return opened
 
     def read_done_on(self, s: Stream, block: OpenBlock | None = None) -> None:
@@ -573,12 +565,17 @@ class PendingWork:
         ``block``, from :meth:`try_read_on`, ends."""
         with self._locked():
             try:
-                if not s.closed:  # closing it recorded its lazy read already
+                done = None if block is None else block.at_close
+                if done is not None:  # the stream closed in the body: its record then
+                    if done.state is not AccessState.RELEASED:
+                        self._add(done)
+                elif s._recordable:  # (else its close recorded the lazy read)
                     self._add(Access.recorded(self, Kind.READ, s, s._key()))
             finally:
                 if block is not None:
                     self.blocks.remove(block)
                     block.done.set()
+                    self._forget_unless_used(s._lifetime)
 
     def try_pin_writes(self, me: Owner, own: Stream | None) -> Blocked | list[Access]:
         """The pending writes, pinned, for a host wait (unpin with :meth:`unpin_writes`).

@@ -18,7 +18,7 @@ from . import _capture_guard, _observe
 from ._access import Counters
 from ._backend import Backend, current_backend
 from ._doorbell import stats as doorbell_stats
-from ._errors import CudaError
+from ._errors import CaptureError, CudaError
 from ._events import pool_for, pools_of, record_asked, registered
 from ._hold_table import table as holds
 from ._hold_table import tick as release_holds
@@ -133,7 +133,10 @@ class Scheduler:
                 self.counters,
                 self._on_collected,
             )
-            self.buffers[id(obj)] = work
+            if self.buffers.get(work.key) is None:  # (else it replaces a collected one's)
+                with _schedulers_lock:
+                    _tracked_ids[work.key] = _tracked_ids.get(work.key, 0) + 1
+            self.buffers[work.key] = work
             return work, True
 
     def _on_collected(self, work: PendingWork) -> None:
@@ -162,6 +165,8 @@ class Scheduler:
                 continue  # tracked again: its new wrapper will report when it goes
             try:
                 settled = work.settle()
+            except CaptureError:  # a capture forbids the record now: asked again later
+                settled = False
             except CudaError:  # its work failed: nothing can wait for it any more
                 work.abandon()
                 settled = True
@@ -174,10 +179,17 @@ class Scheduler:
         with self.lock:
             if self.buffers.get(work.key) is work:
                 del self.buffers[work.key]
+                with _schedulers_lock:
+                    left = _tracked_ids.pop(work.key, 1) - 1
+                    if left:
+                        _tracked_ids[work.key] = left
 
 
 _schedulers: dict[tuple[Backend, int], Scheduler] = {}
 _schedulers_lock = threading.Lock()
+#: the ids of the buffers tracked on any backend, with how many registries hold
+#: each: a lookup asks the other backends only about these
+_tracked_ids: dict[int, int] = {}
 #: the same schedulers per backend, in the order made: every lookup walks them
 _of_backend: dict[Backend, tuple[Scheduler, ...]] = {}
 
@@ -222,8 +234,8 @@ def find_work(backend: Backend, obj: object) -> PendingWork | None:
         work = sched.work_of(obj)
         if work is not None:
             return work
-    if len(_of_backend) > (backend in _of_backend):  # (only this one in use: nothing more)
-        for other, scheds in list(_of_backend.items()):
+    if id(obj) in _tracked_ids and len(_of_backend) > (backend in _of_backend):
+        for other, scheds in list(_of_backend.items()):  # (tracked before another was current)
             if other is not backend:
                 for sched in scheds:
                     work = sched.work_of(obj)

@@ -201,11 +201,14 @@ class Stream:
 
     @property
     def _recordable(self) -> bool:
-        """Open, or closing and telling its listeners (closed in a garbage
-        collection, its wrapper says closed first; the stream still exists,
-        and what listens records there)."""
+        """Whether the stream still exists to record on: a stream this library
+        made until its close has told its listeners (closed in a garbage
+        collection, its own wrapper says closed first; a borrowed wrapper's
+        close only forgets it); another library's while this wrapper is open."""
         lifetime = self._lifetime
-        return (lifetime is not None and lifetime.ending) or not self.closed
+        if lifetime is not None:
+            return lifetime.ending or not lifetime.closed
+        return not self._closed
 
     def _open_for_records(self) -> None:
         """ValueError unless :attr:`_recordable`."""

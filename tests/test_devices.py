@@ -165,6 +165,37 @@ def test_a_read_open_on_device_1s_legacy_stream_is_waited_for_from_device_0(
     np.testing.assert_array_equal(ops.to_host(out), 1.0)
 
 
+def test_a_capture_on_device_0_does_not_refuse_a_wait_on_device_1s_legacy_stream(
+    ops: DeviceOps, backend: cs.Backend
+) -> None:
+    """A read is open on device 1's legacy stream; device 0's per-thread
+    stream (a blocking stream) captures. A writer with device 0 current must
+    ask device 1's legacy stream, which that capture does not forbid: the
+    write goes through, waits for the held read, and the capture survives
+    (asked of device 0's legacy stream, it raised CaptureError)."""
+    if backend.name != "sim":
+        pytest.skip("a capture on the per-thread stream of a GPU would block the legacy stream")
+    with on_device(1):
+        arr = ops.array(np.ones(N, np.float32))
+        out = ops.array(np.zeros(N, np.float32))
+        legacy1 = cs.Stream.wrap(1)
+        t = cs.track(arr)
+        latch = ops.latch(legacy1)
+        ops.copy(legacy1, out, cs.consume_blocking(t, stream=legacy1))
+    w = cs.Stream(device=1)
+    capturing = cs.Stream.wrap(2)  # device 0's, this thread's
+    capturing.begin_capture("relaxed")
+    try:
+        with t.writing(w):
+            ops.fill(w, arr, 2.0)
+        assert not w.record().is_done, "the write did not wait for the read on device 1"
+    finally:
+        capturing.end_capture().close()  # (it was not invalidated)
+        latch.release()
+    w.synchronize()
+    np.testing.assert_array_equal(ops.to_host(out), 1.0)
+
+
 def test_a_zero_size_array_is_tracked_on_the_device_it_says(ops: DeviceOps) -> None:
     """No pointer to ask the driver about: the array's ``__dlpack_device__``
     says where it is (CuPy, PyTorch and the simulator give one)."""

@@ -322,31 +322,94 @@ def test_a_stream_closed_with_a_read_open_on_it_is_waited_for_by_the_next_writer
     w.synchronize()
 
 
-@pytest.mark.parametrize("wrapper", ["owned", "borrowed"])
+@pytest.mark.parametrize("closed", ["stream", "stream, via a wrapper", "the wrapper"])
 def test_inside_a_block_whose_stream_closed_the_owner_sees_the_blocks_work(
-    ops: DeviceOps, wrapper: str
+    ops: DeviceOps, closed: str
 ) -> None:
     """The block's own owner consumes the array inside the block, after the
-    stream closed (and its handle went to a new stream): the consume orders
-    after the block's record at the close, not a record on the new stream (or
-    an error)."""
+    stream closed (and its handle went to a new stream), or after the borrowed
+    wrapper the block was opened on was closed (which only forgets it): the
+    consume orders after the block's work, never a record on the new stream,
+    an error, or nothing at all."""
     arr = ops.array(np.zeros(64, "float32"))
     t = cs.track(arr)
     s = cs.Stream()
-    on = s if wrapper == "owned" else cs.Stream.wrap(s)
+    on = s if closed == "stream" else cs.Stream.wrap(s)
     latch = ops.latch(s)
+    again = None
     try:
         with t.writing(on):
             ops.fill(on, arr, 7.0)
-            s.close()
-            again = cs.Stream()  # the simulator hands the handle out again, as CUDA does
+            if closed == "the wrapper":
+                on.close()
+            else:
+                s.close()
+                again = cs.Stream()  # the simulator hands the handle out again, as CUDA does
             with pytest.raises(TimeoutError):
                 cs.consume_blocking(t, timeout=0.05)  # the fill is held
     finally:
         latch.release()
     view = cs.consume_blocking(t, timeout=10)
     assert (ops.to_host(view) == 7).all()
-    again.close()
+    if again is not None:
+        again.close()
+
+
+def test_a_consumer_that_closes_its_borrowed_wrapper_leaves_the_array_writable(
+    ops: DeviceOps,
+) -> None:
+    """``consume(t, stream=w)``, ``w`` a borrowed wrapper the consumer then
+    closes (which only forgets the stream): the next writer waits for the read
+    on the stream, and every later write goes through."""
+    arr = ops.array(np.ones(64, "float32"))
+    out = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    s, w = cs.Stream(), cs.Stream()
+    latch = ops.latch(s)
+    try:
+        on = cs.Stream.wrap(s)
+        ops.copy(on, out, cs.consume_blocking(t, stream=on))
+        done = s.record()
+        on.close()
+    except BaseException:
+        latch.release()
+        raise
+    _the_next_write_waits_for_the_read(ops, t, w, latch, done, out)
+    for _ in range(3):
+        with t.writing(w):
+            ops.fill(w, arr, 3.0)
+    w.synchronize()
+
+
+async def test_a_consuming_body_whose_stream_closes_in_it_is_waited_for_by_the_next_writer(
+    ops: DeviceOps,
+) -> None:
+    """The body's read was recorded mid-body (other consumers made it the
+    oldest open read past ``MAX_OPEN_READS``); then the body copies the array
+    on ``s`` (held) and closes ``s``: the body's record at the close covers the
+    copy, so the next writer waits for it."""
+    from cai_streams._pending import MAX_OPEN_READS
+
+    arr = ops.array(np.ones(64, "float32"))
+    out = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    s, w = cs.Stream(), cs.Stream()
+    others = [cs.Stream() for _ in range(MAX_OPEN_READS)]
+    latch = None
+    try:
+        async with cs.consuming(t, stream=s, timeout=5):
+            for o in others:  # other consumers: s's open read is the oldest, recorded
+                await cs.consume(t, stream=o, timeout=5)
+            latch = ops.latch(s)
+            ops.copy(s, out, arr)
+            done = s.record()
+            s.close()
+    except BaseException:
+        if latch is not None:
+            latch.release()
+        raise
+    assert latch is not None
+    _the_next_write_waits_for_the_read(ops, t, w, latch, done, out)
 
 
 async def test_a_consuming_body_and_a_block_inside_it_on_a_stream_that_closes_leak_nothing(

@@ -489,6 +489,23 @@ def test_a_view_handed_again_and_again_to_its_stream_keeps_one_entry_per_lease(
     assert lease.views == views
 
 
+@pytest.mark.anyio
+async def test_a_view_in_a_consuming_loop_keeps_only_the_entries_still_counted(
+    ops: DeviceOps,
+) -> None:
+    """Each ``consuming(view, stream=s)`` exit records its lease, and the next
+    round makes a new one: the view keeps the entries still counting it, not
+    one per round (each kept its lease, and ``with_stream`` walked them all)."""
+    s = cs.Stream()
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    view = cs.consume_blocking(box, stream=s)
+    for _ in range(100):
+        async with cs.consuming(view, stream=s, timeout=5) as same:
+            assert same is view
+    assert len(view._leases) <= 2
+    assert len(view.with_stream(None)._leases) <= 1
+
+
 def test_views_of_one_owner_on_two_streams_or_two_owners_on_one_stream_are_not_merged(
     ops: DeviceOps,
 ) -> None:

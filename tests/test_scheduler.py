@@ -585,3 +585,17 @@ def test_a_buffer_read_on_ever_new_streams_holds_neither_them_nor_events() -> No
     alive = sum(r() is not None for r in gone)
     assert alive <= MAX_OPEN_READS + RECLAIM_AT, alive
     assert len(t.pending_streams()["reads"]) <= MAX_OPEN_READS + 1
+
+
+def test_the_registry_of_tracked_ids_follows_the_buffers() -> None:
+    """A lookup asks other backends only about ids tracked somewhere: that set
+    grows with the tracked buffers and shrinks with them."""
+    from cai_streams import _scheduler
+
+    base = len(_scheduler._tracked_ids)
+    tracked = [cs.track(sim.empty(4)) for _ in range(100)]
+    assert {id(t.array) for t in tracked} <= set(_scheduler._tracked_ids)
+    del tracked
+    gc.collect()
+    cs.stats()  # releases the state of collected buffers
+    assert len(_scheduler._tracked_ids) <= base
