@@ -443,6 +443,7 @@ def test_two_graphs_touching_two_arrays_in_opposite_orders_launch_at_once_from_t
     it opens the next: in one order for every graph, else two launches each
     hold the block the other waits for (a stall until the bound, then
     TimeoutError). Each block's opening is slowed so that they interleave."""
+    cs.use_backend("sim")  # (simulated kernels, also under the decoy default)
     a, b = (cs.track(sim.asarray(np.zeros(4, np.float32))) for _ in range(2))
 
     def capture(first: cs.TrackedArray, second: cs.TrackedArray) -> cs.Graph:
@@ -490,6 +491,7 @@ def test_a_read_open_on_another_threads_stream_2_names_itself_when_a_capture_for
     on its own (a blocking stream). A writer elsewhere must wait for A's read
     through the legacy stream, which C's capture forbids: CaptureError says
     whose read it is, C's capture survives, and after it the write goes on."""
+    cs.use_backend("sim")  # (simulated kernels, also under the decoy default)
     arr = sim.asarray(np.ones(16, np.float32))
     t = cs.track(arr)
     reader = threading.Thread(target=lambda: cs.consume_blocking(t, stream=2))
