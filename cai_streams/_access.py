@@ -105,7 +105,9 @@ class Access:
     ) -> None:
         self.work = work
         self.kind = kind
-        self.stream = stream  # kept alive: a lazy access records on it, an event's keepalive
+        # kept alive: a lazy access records on it, an event's keepalive (a
+        # borrowed wrapper's copy: the user's close of it only forgets it)
+        self.stream = stream._kept()
         self.key = key
         self.disjoint = disjoint
         self.group = work.group  # disjoint writes of one group are not ordered among them

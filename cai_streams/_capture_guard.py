@@ -37,7 +37,6 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Final, Protocol
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, CaptureMode
-from ._device import OnDevice
 from ._errors import CaptureError, CudaError, KernelError
 from ._identity import StreamId, is_open, thread_serial
 
@@ -162,10 +161,26 @@ def _capture_status(backend: Backend, key: StreamId) -> str:
     """The driver's capture status of ``key``'s stream. Handles 1 and 2 name
     the current device's default streams: ``key``'s device is made current
     around the ask (else another device's stream would answer)."""
-    if key.handle <= PER_THREAD_DEFAULT_STREAM:
-        with OnDevice(backend, key.device, key.handle):
-            return backend.capture_status(key.handle)
-    return backend.capture_status(key.handle)
+    if key.handle > PER_THREAD_DEFAULT_STREAM:
+        return backend.capture_status(key.handle)
+    previous = _switch_to_device_of(backend, key)
+    try:
+        return backend.capture_status(key.handle)
+    finally:
+        if previous is not None:
+            backend.set_device(previous)
+
+
+def _switch_to_device_of(backend: Backend, key: StreamId) -> int | None:
+    """Make ``key``'s device current for a default stream's call; the device
+    to make current again after it (None: it was current, nothing switched).
+    One ``cudaGetDevice`` (no object made: every host consume of a producer
+    on the legacy stream comes here)."""
+    now = backend.current_device()
+    if now == key.device:
+        return None
+    backend.set_device(key.device)
+    return now
 
 
 def stream_phase(backend: Backend, key: StreamId) -> StreamPhase:
@@ -243,10 +258,14 @@ def _query_idle(backend: Backend, key: StreamId) -> bool:
     """cudaStreamQuery of a stream known not to capture, in relaxed mode."""
     previous = backend.exchange_capture_mode("relaxed")  # (inline, as in query_event:
     try:  # every host consume of an idle producer comes here)
-        if key.handle <= PER_THREAD_DEFAULT_STREAM:  # (the current device's: key's, here)
-            with OnDevice(backend, key.device, key.handle):
-                return backend.query_stream(key.handle)
-        return backend.query_stream(key.handle)
+        if key.handle > PER_THREAD_DEFAULT_STREAM:
+            return backend.query_stream(key.handle)
+        switched = _switch_to_device_of(backend, key)  # (the current device's: key's, here)
+        try:
+            return backend.query_stream(key.handle)
+        finally:
+            if switched is not None:
+                backend.set_device(switched)
     finally:
         backend.exchange_capture_mode(previous)
 

@@ -431,7 +431,7 @@ class PendingWork:
             block = OpenBlock(
                 kind,
                 disjoint,
-                stream,
+                stream._kept(),  # (a borrowed wrapper closed in the block only forgets it)
                 key,
                 me,
                 covered,
@@ -460,22 +460,30 @@ class PendingWork:
         """The block's body ended: its work is pending on its stream (recorded
         now, or when the stream closed in the block: ``stream_closing``)."""
         with self._locked():
-            try:
-                new = block.at_close
-                if new is None:
-                    new = self._record_block(block)
-                for a in block.covered:  # (a captured write replaces no ordinary work)
-                    if a.state is not AccessState.RELEASED and (a.captured or not new.captured):
-                        self._drop(a)
-                if new.state is not AccessState.RELEASED:  # (its record at close, found done)
-                    self._add(new)
-                if new.mark is not None and new.mark.captured and self._began_in(block):
-                    block.covered = []  # (released: nothing of them is needed any more)
-                    self.unfenced.append(block)  # a capture began in it (see _fence)
-            finally:
-                self.blocks.remove(block)
-                block.done.set()
-                self._forget_unless_used(block.stream._lifetime)
+            self._end_block(block)
+
+    def _end_block(self, block: OpenBlock, *, gone_ok: bool = False) -> None:
+        """Lock held: ``block`` ends (see :meth:`leave`). ``gone_ok``: its
+        stream may be gone with no record of the block (a ``consuming()`` body,
+        whose consumer read its close recorded): nothing is added then."""
+        try:
+            new = block.at_close
+            if new is None:
+                if gone_ok and not block.stream._recordable:
+                    return
+                new = self._record_block(block)
+            for a in block.covered:  # (a captured write replaces no ordinary work)
+                if a.state is not AccessState.RELEASED and (a.captured or not new.captured):
+                    self._drop(a)
+            if new.state is not AccessState.RELEASED:  # (its record at close, found done)
+                self._add(new)
+            if new.mark is not None and new.mark.captured and self._began_in(block):
+                block.covered = []  # (released: nothing of them is needed any more)
+                self.unfenced.append(block)  # a capture began in it (see _fence)
+        finally:
+            self.blocks.remove(block)
+            block.done.set()
+            self._forget_unless_used(block.stream._lifetime)
 
     def _record_block(self, block: OpenBlock) -> Access:
         new = Access.recorded(self, block.kind, block.stream, block.key, block.disjoint)
@@ -553,7 +561,7 @@ class PendingWork:
             self._declare_stream_read(s, "consume(stream=...): the consumer's read")
             if not block:
                 return None
-            opened = OpenBlock(Kind.READ, False, s, key, me, [], self.group, "consuming()")
+            opened = OpenBlock(Kind.READ, False, s._kept(), key, me, [], self.group, "consuming()")
             self.blocks.append(opened)
             lifetime = s._lifetime
             if lifetime is not None:  # closing it in the body records the body's work
@@ -564,18 +572,10 @@ class PendingWork:
         """The consumer's work on ``s`` so far reads the buffer (the back-edge);
         ``block``, from :meth:`try_read_on`, ends."""
         with self._locked():
-            try:
-                done = None if block is None else block.at_close
-                if done is not None:  # the stream closed in the body: its record then
-                    if done.state is not AccessState.RELEASED:
-                        self._add(done)
-                elif s._recordable:  # (else its close recorded the lazy read)
-                    self._add(Access.recorded(self, Kind.READ, s, s._key()))
-            finally:
-                if block is not None:
-                    self.blocks.remove(block)
-                    block.done.set()
-                    self._forget_unless_used(s._lifetime)
+            if block is not None:  # (a capture begun in the body: as a block's, fenced)
+                self._end_block(block, gone_ok=True)
+            elif s._recordable:  # (else its close recorded the lazy read)
+                self._add(Access.recorded(self, Kind.READ, s, s._key()))
 
     def try_pin_writes(self, me: Owner, own: Stream | None) -> Blocked | list[Access]:
         """The pending writes, pinned, for a host wait (unpin with :meth:`unpin_writes`).

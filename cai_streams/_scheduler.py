@@ -12,7 +12,9 @@ wrapper is gone and its work has completed.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
+from typing import Final
 
 from . import _capture_guard, _observe
 from ._access import Counters
@@ -43,6 +45,8 @@ class Scheduler:
         self.buffers: dict[int, PendingWork] = {}
         self._collected: deque[PendingWork] = deque()  # buffers gone: release their work
         self._orphans: deque[PendingWork] = deque()  # held buffers whose wrapper is gone
+        #: until then the orphans are not asked again (one's record met a capture)
+        self._orphans_paused_until = 0.0
         self._export_stream: Stream | None = None
 
     @property
@@ -141,12 +145,16 @@ class Scheduler:
 
     def _on_collected(self, work: PendingWork) -> None:
         # From a weakref callback: may run in any thread, inside any lock: only queue.
+        global _queued
         self._collected.append(work)
+        _queued = True
 
     def wrapper_gone(self, work: PendingWork) -> None:
         """A weakref callback when a TrackedArray goes: only queue."""
+        global _queued
         if work.held_strongly:
             self._orphans.append(work)
+            _queued = True
 
     def collect(self, limit: int | None = None) -> None:
         """Release the work of collected buffers; let go of settled held ones."""
@@ -157,6 +165,8 @@ class Scheduler:
             work.abandon()
             self._forget(work)
         n = len(self._orphans) if limit is None else limit
+        if n and self._orphans and time.monotonic() < self._orphans_paused_until:
+            n = 0  # (a capture forbade a record: not asked again on every lookup)
         while n > 0 and self._orphans:
             n -= 1
             work = self._orphans.popleft()
@@ -166,7 +176,9 @@ class Scheduler:
             try:
                 settled = work.settle()
             except CaptureError:  # a capture forbids the record now: asked again later
-                settled = False
+                self._orphans.append(work)
+                self._orphans_paused_until = time.monotonic() + ORPHAN_PAUSE
+                break
             except CudaError:  # its work failed: nothing can wait for it any more
                 work.abandon()
                 settled = True
@@ -185,8 +197,16 @@ class Scheduler:
                         _tracked_ids[work.key] = left
 
 
+#: seconds the orphans of a registry are left alone after one's record met a
+#: graph capture (they are asked on every lookup otherwise: settle, raise)
+ORPHAN_PAUSE: Final = 0.005
+
 _schedulers: dict[tuple[Backend, int], Scheduler] = {}
 _schedulers_lock = threading.Lock()
+#: a buffer of some registry was collected, or lost its wrapper, since the
+#: lookups last released those of backends that are not current (a lookup
+#: releases its own backend's as it goes)
+_queued = False
 #: the ids of the buffers tracked on any backend, with how many registries hold
 #: each: a lookup asks the other backends only about these
 _tracked_ids: dict[int, int] = {}
@@ -230,6 +250,8 @@ def find_work(backend: Backend, obj: object) -> PendingWork | None:
     ``backend`` first, then on any other backend in use (an array tracked
     before another backend was made current). Does not block."""
     release_holds()  # every handoff, export and track() passes here: a bounded step
+    if _queued and len(_of_backend) > (backend in _of_backend):
+        _collect_elsewhere(backend)
     for sched in _of_backend.get(backend, ()):
         work = sched.work_of(obj)
         if work is not None:
@@ -242,6 +264,21 @@ def find_work(backend: Backend, obj: object) -> PendingWork | None:
                     if work is not None:
                         return work
     return None
+
+
+def _collect_elsewhere(backend: Backend) -> None:
+    """A bounded step of releasing the state of buffers collected on the
+    backends other than ``backend`` (the current one), which their own
+    lookups no longer reach while another backend is current."""
+    global _queued
+    _queued = False  # (first: what is queued meanwhile sets it again)
+    for other, scheds in list(_of_backend.items()):
+        if other is not backend:
+            for sched in scheds:
+                if sched._collected or sched._orphans:
+                    sched.collect(limit=4)
+                    if sched._collected or sched._orphans:
+                        _queued = True
 
 
 def stats() -> dict[str, int]:

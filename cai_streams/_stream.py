@@ -215,12 +215,24 @@ class Stream:
         if not self._recordable:
             self.handle  # noqa: B018 - raises, saying which stream is closed
 
-    def _same_stream(self, keepalive: object = None) -> Stream:
+    def _kept(self) -> Stream:
+        """This stream as the library keeps it for records to come (an access,
+        an open block): an owned stream itself (its close tells what listens
+        first); for a borrowed wrapper, a copy of its own that keeps alive
+        what the wrapper keeps, since the user's close of the wrapper only
+        forgets the stream and must not end what the library still records
+        there. (A wrapper closed already stays itself: records on it refuse.)"""
+        if self._owned or self._closed or type(self) is _KeptStream:
+            return self
+        return self._same_stream(self._keepalive, _KeptStream)
+
+    def _same_stream(self, keepalive: object = None, kind: type[Stream] | None = None) -> Stream:
         """A borrowed wrapper of this very stream, unchecked: also for what
         records on it while its close runs (in a garbage collection this
         wrapper says closed first, and its listeners record later, before the
-        stream is destroyed)."""
-        other = Stream.__new__(Stream)
+        stream is destroyed). ``kind``: the class of the wrapper made."""
+        cls = Stream if kind is None else kind
+        other = cls.__new__(cls)
         other._backend = self._backend
         other._handle = self._handle
         other._owned = False
@@ -455,6 +467,13 @@ class Stream:
                 later(end)
             else:
                 end()
+
+
+class _KeptStream(Stream):
+    """A borrowed wrapper the library keeps for its own records (see
+    :meth:`Stream._kept`); never handed to the user."""
+
+    __slots__ = ()
 
 
 def _tell_closing(listeners: Iterable[ClosingListener]) -> None:

@@ -413,3 +413,65 @@ class _ClosesInGC:
 
     def __del__(self) -> None:
         self.s.close()
+
+
+def test_a_block_on_a_borrowed_wrapper_closed_after_the_capture_is_still_fenced(
+    ops: DeviceOps,
+) -> None:
+    """The block was opened on a borrowed wrapper of a live stream; the capture
+    begun in it ends, then the wrapper is closed (which only forgets it): the
+    block's work from before the capture is still waited for, not taken for
+    gone with the wrapper."""
+    arr = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    s = cs.Stream()
+    on = cs.Stream.wrap(s)
+    latch = ops.latch(s)
+    try:
+        with t.writing(on):
+            ops.fill(on, arr, 7.0)  # ordinary, held by the latch
+            on.begin_capture("relaxed")
+        graph = on.end_capture()
+        on.close()
+        assert not consume_returns(t, timeout=0.1), "the block's fill was taken for done"
+    finally:
+        latch.release()
+    s.synchronize()
+    graph.close()
+    _sees_the_fill(ops, t)
+
+
+@pytest.mark.anyio
+async def test_a_consuming_body_in_which_a_capture_begins_is_fenced_as_a_block(
+    ops: DeviceOps,
+) -> None:
+    """The body's read was recorded early (other consumers past
+    ``MAX_OPEN_READS``); the body copies the array on ``s`` (held) and begins a
+    capture that is under way when it ends: the body's record is captured, so
+    its ordinary copy is recorded once the capture ends, as a ``reading()``
+    block's is, and the next writer waits for it."""
+    from cai_streams._pending import MAX_OPEN_READS
+
+    arr = ops.array(np.ones(64, "float32"))
+    out = ops.array(np.zeros(64, "float32"))
+    t = cs.track(arr)
+    s, w = cs.Stream(), cs.Stream()
+    others = [cs.Stream() for _ in range(MAX_OPEN_READS)]
+    latch = None
+    try:
+        async with cs.consuming(t, stream=s, timeout=5):
+            for o in others:
+                await cs.consume(t, stream=o, timeout=5)
+            latch = ops.latch(s)
+            ops.copy(s, out, arr)
+            s.begin_capture("relaxed")
+        s.end_capture().close()
+        with t.writing(w):
+            ops.fill(w, arr, 2.0)
+        assert not w.record().is_done, "the writer did not wait for the body's copy"
+    finally:
+        if latch is not None:
+            latch.release()
+    w.synchronize()
+    s.synchronize()
+    assert (ops.to_host(out) == 1).all()

@@ -322,7 +322,9 @@ def test_a_stream_closed_with_a_read_open_on_it_is_waited_for_by_the_next_writer
     w.synchronize()
 
 
-@pytest.mark.parametrize("closed", ["stream", "stream, via a wrapper", "the wrapper"])
+@pytest.mark.parametrize(
+    "closed", ["stream", "stream, via a wrapper", "the wrapper", "a wrapper of stream 1"]
+)
 def test_inside_a_block_whose_stream_closed_the_owner_sees_the_blocks_work(
     ops: DeviceOps, closed: str
 ) -> None:
@@ -333,14 +335,14 @@ def test_inside_a_block_whose_stream_closed_the_owner_sees_the_blocks_work(
     an error, or nothing at all."""
     arr = ops.array(np.zeros(64, "float32"))
     t = cs.track(arr)
-    s = cs.Stream()
+    s = cs.Stream.wrap(1) if closed == "a wrapper of stream 1" else cs.Stream()
     on = s if closed == "stream" else cs.Stream.wrap(s)
     latch = ops.latch(s)
     again = None
     try:
         with t.writing(on):
             ops.fill(on, arr, 7.0)
-            if closed == "the wrapper":
+            if closed in ("the wrapper", "a wrapper of stream 1"):
                 on.close()
             else:
                 s.close()
@@ -355,8 +357,32 @@ def test_inside_a_block_whose_stream_closed_the_owner_sees_the_blocks_work(
         again.close()
 
 
+class _Foreign:
+    """Another library's stream object, alive whatever becomes of a wrapper."""
+
+    def __init__(self, s: cs.Stream) -> None:
+        self.s = s
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.s.handle)
+
+
+def _wrapped(kind: str, s: cs.Stream) -> tuple[cs.Stream, cs.Stream]:
+    """A borrowed wrapper of the kind named, and the stream it names."""
+    if kind == "cs.Stream()":
+        return cs.Stream.wrap(s), s
+    if kind == "another library's stream":
+        return cs.Stream.wrap(_Foreign(s)), s
+    handle = 1 if kind == "the legacy stream" else 2
+    return cs.Stream.wrap(handle), cs.Stream.wrap(handle)
+
+
+WRAPPED = ["cs.Stream()", "another library's stream", "the legacy stream", "stream 2"]
+
+
+@pytest.mark.parametrize("kind", WRAPPED)
 def test_a_consumer_that_closes_its_borrowed_wrapper_leaves_the_array_writable(
-    ops: DeviceOps,
+    ops: DeviceOps, kind: str
 ) -> None:
     """``consume(t, stream=w)``, ``w`` a borrowed wrapper the consumer then
     closes (which only forgets the stream): the next writer waits for the read
@@ -364,10 +390,10 @@ def test_a_consumer_that_closes_its_borrowed_wrapper_leaves_the_array_writable(
     arr = ops.array(np.ones(64, "float32"))
     out = ops.array(np.zeros(64, "float32"))
     t = cs.track(arr)
-    s, w = cs.Stream(), cs.Stream()
+    w = cs.Stream()
+    on, s = _wrapped(kind, cs.Stream())
     latch = ops.latch(s)
     try:
-        on = cs.Stream.wrap(s)
         ops.copy(on, out, cs.consume_blocking(t, stream=on))
         done = s.record()
         on.close()

@@ -599,3 +599,47 @@ def test_the_registry_of_tracked_ids_follows_the_buffers() -> None:
     gc.collect()
     cs.stats()  # releases the state of collected buffers
     assert len(_scheduler._tracked_ids) <= base
+
+
+def test_an_orphan_a_capture_keeps_from_settling_is_not_asked_on_every_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A buffer held by the library (not weakly referenceable) whose wrapper is
+    gone has a read open on the legacy stream, which a capture on a blocking
+    stream forbids recording: it is asked again after a pause, not four times
+    on every lookup of every thread."""
+    from cai_streams import _pending
+
+    class NoWeak:
+        __slots__ = ("a",)
+
+        def __init__(self, a: sim.SimArray) -> None:
+            self.a = a
+
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            return self.a.__cuda_array_interface__
+
+    t = cs.track(NoWeak(sim.asarray(np.zeros(16, np.float32))))
+    cs.consume_blocking(t, stream=cs.Stream.wrap(1))  # a read open on the legacy stream
+    del t
+    gc.collect()
+    calls = [0]
+    settle = _pending.PendingWork.settle
+
+    def counted(self: _pending.PendingWork) -> bool:
+        calls[0] += 1
+        return settle(self)
+
+    monkeypatch.setattr(_pending.PendingWork, "settle", counted)
+    other, s = sim.asarray(np.zeros(16, np.float32)), cs.Stream()
+    capturing = cs.Stream.wrap(2)
+    capturing.begin_capture("relaxed")
+    try:
+        with cs.sanitize(False):
+            for _ in range(100):
+                cs.consume_blocking(other, stream=s)
+    finally:
+        capturing.end_capture().close()
+    assert 1 <= calls[0] <= 20, calls  # (one, then one per pause elapsed)
+    cs.stats()  # settles it now

@@ -208,3 +208,39 @@ def test_a_tracked_array_consumed_while_another_backend_is_current_waits_on_its_
     with cs.sanitize(False):
         got = sim._numpy_view(cs.consume_blocking(arr, timeout=10))
         assert got is not None and (got == 5.0).all()
+
+
+def test_buffers_collected_on_a_backend_no_longer_current_are_released(
+    decoy_default: cs.Backend,
+) -> None:
+    """Their state (events, the consumer streams their reads keep) is released
+    by the lookups of the backend that is current now, a few per lookup."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from cai_streams import _scheduler
+
+    sim_backend = cs.use_backend("sim")
+    consumers = []
+    kept = []
+    for _ in range(20):
+        arr = sim.asarray(np.zeros(16, np.float32))
+        t = cs.track(arr)
+        s = cs.Stream()
+        cs.consume_blocking(t, stream=s)  # a read left open on s
+        consumers.append(weakref.ref(s))
+        kept.append((arr, t))
+        del arr, t, s
+    cs.use_backend("decoy")
+    del kept
+    gc.collect()
+    mine = sim.asarray(np.zeros(16, np.float32))
+    x = cs.Stream()
+    with cs.sanitize(False):
+        for _ in range(20):
+            cs.consume_blocking(mine, stream=x)  # lookups on the decoy
+            gc.collect()
+    assert sum(len(s.buffers) for s in _scheduler.schedulers_of(sim_backend)) == 0
+    assert all(ref() is None for ref in consumers)
