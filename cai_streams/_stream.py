@@ -221,10 +221,17 @@ class Stream:
         first); for a borrowed wrapper, a copy of its own that keeps alive
         what the wrapper keeps, since the user's close of the wrapper only
         forgets the stream and must not end what the library still records
-        there. (A wrapper closed already stays itself: records on it refuse.)"""
+        there. (A wrapper closed already, and a bare handle's, stay themselves:
+        records on them refuse once closed.)"""
         if self._owned or self._closed or type(self) is _KeptStream:
             return self
-        return self._same_stream(self._keepalive, _KeptStream)
+        if not self._records_later():  # a bare handle: it may be gone, or another
+            return self  # stream, once the wrapper is closed; records on it refuse then
+        # a stream the library made tells what listens when it closes: the copy
+        # need not keep its owner alive (else closing the wrapper would not let
+        # the stream be collected); another library's stays with its object
+        keep = None if self._lifetime is not None else self._keepalive
+        return self._same_stream(keep, _KeptStream)
 
     def _same_stream(self, keepalive: object = None, kind: type[Stream] | None = None) -> Stream:
         """A borrowed wrapper of this very stream, unchecked: also for what

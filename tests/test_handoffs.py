@@ -380,6 +380,66 @@ def _wrapped(kind: str, s: cs.Stream) -> tuple[cs.Stream, cs.Stream]:
 WRAPPED = ["cs.Stream()", "another library's stream", "the legacy stream", "stream 2"]
 
 
+@pytest.mark.parametrize("reused", [False, True], ids=["gone", "handle-reused"])
+async def test_a_bare_handle_closed_and_destroyed_in_a_body_is_never_recorded_on_again(
+    sim_backend: cs.Backend, reused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare handle of another library's stream: the library cannot see its
+    end, so it records there at the handoff only. Its wrapper closed and the
+    stream destroyed (its handle perhaps another stream's by then) inside a
+    ``consuming()`` body or a ``writing()`` block: the body's exit records
+    nothing there; the block's says the stream is closed. Neither records on
+    the handle (a new stream's, maybe)."""
+    t = cs.track(sim.asarray(np.zeros(4)))
+    records: list[int] = []
+    record = sim_backend.record
+
+    def spy(event: int, stream: int) -> None:
+        records.append(stream)
+        record(event, stream)
+
+    monkeypatch.setattr(sim_backend, "record", spy)
+
+    def gone(w: cs.Stream, h: int) -> None:
+        w.close()
+        sim_backend.destroy_stream(h)
+        if reused:
+            assert sim_backend.create_stream(0) == h
+        records.clear()
+
+    with cs.sanitize(False):  # (destroying a stream with the body's reads on it races)
+        h = sim_backend.create_stream(0)
+        w = cs.Stream.wrap(h)
+        async with cs.consuming(t, stream=w, timeout=5):
+            gone(w, h)
+        assert h not in records
+        h = sim_backend.create_stream(0)
+        w = cs.Stream.wrap(h)
+        with pytest.raises(ValueError, match="closed"), t.writing(w):
+            gone(w, h)
+        assert h not in records
+
+
+async def test_closing_a_wrapper_of_a_library_stream_lets_the_stream_go(
+    sim_backend: cs.Backend,
+) -> None:
+    """The library's copy of the wrapper keeps nothing alive for a stream it
+    made (closing that stream records what listens first): once the wrapper
+    is closed and the stream dropped, the stream is collected."""
+    t = cs.track(sim.asarray(np.zeros(4)))
+    owned = cs.Stream()
+    ref = weakref.ref(owned)
+    w = cs.Stream.wrap(owned)
+    await cs.consume(t, stream=w)  # a read left open on it
+    w.close()
+    del w, owned
+    gc.collect()
+    cs.stats()
+    assert ref() is None
+    with t.writing(cs.Stream()):  # its read was recorded as it closed
+        pass
+
+
 @pytest.mark.parametrize("kind", WRAPPED)
 def test_a_consumer_that_closes_its_borrowed_wrapper_leaves_the_array_writable(
     ops: DeviceOps, kind: str
