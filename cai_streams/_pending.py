@@ -561,7 +561,20 @@ class PendingWork:
             self._declare_stream_read(s, "consume(stream=...): the consumer's read")
             if not block:
                 return None
-            opened = OpenBlock(Kind.READ, False, s._kept(), key, me, [], self.group, "consuming()")
+            # (asked as for a block: a capture under way at its end began in it or not)
+            began = _capture_guard.capturing(self.backend, key) is True
+            opened = OpenBlock(
+                Kind.READ,
+                False,
+                s._kept(),
+                key,
+                me,
+                [],
+                self.group,
+                "consuming()",
+                began_capturing=began,
+                capture=_capture.under_way(key) if began else None,
+            )
             self.blocks.append(opened)
             lifetime = s._lifetime
             if lifetime is not None:  # closing it in the body records the body's work

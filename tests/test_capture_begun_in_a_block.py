@@ -475,3 +475,21 @@ async def test_a_consuming_body_in_which_a_capture_begins_is_fenced_as_a_block(
     w.synchronize()
     s.synchronize()
     assert (ops.to_host(out) == 1).all()
+
+
+@pytest.mark.anyio
+async def test_a_consuming_body_on_a_stream_already_capturing_leaves_nothing_to_fence(
+    ops: DeviceOps,
+) -> None:
+    """The capture was under way when the body began: its record stands for
+    the body's work, which is all captured, so nothing is left to fence."""
+    arr = ops.array(np.ones(16, "float32"))
+    t = cs.track(arr)
+    s = cs.Stream()
+    s.begin_capture("relaxed")
+    try:
+        async with cs.consuming(t, stream=s, timeout=5):
+            pass
+        assert not t._work.unfenced
+    finally:
+        s.end_capture().close()
