@@ -9,7 +9,9 @@ latch spins on a host-mapped flag).
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -376,3 +378,18 @@ def consume_returns(obj: object, timeout: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+@contextlib.asynccontextmanager
+async def consuming_past_the_open_reads(t: cs.TrackedArray, s: cs.Stream) -> AsyncIterator[None]:
+    """``consuming(t, stream=s)`` whose consumer read is recorded early in the
+    body: as many other consumers as ``MAX_OPEN_READS`` make it the oldest
+    open read. What the body enqueues after that is covered only by the
+    body's own end (its record, at its exit or at its stream's close)."""
+    from cai_streams._pending import MAX_OPEN_READS
+
+    others = [cs.Stream() for _ in range(MAX_OPEN_READS)]
+    async with cs.consuming(t, stream=s, timeout=5):
+        for o in others:
+            await cs.consume(t, stream=o, timeout=5)
+        yield

@@ -24,7 +24,7 @@ from cai_streams._capture_guard import StreamPhase
 from cai_streams._identity import Lifetime
 from cai_streams._pending import PendingWork
 
-from .device_ops import DeviceOps, consume_returns
+from .device_ops import DeviceOps, consume_returns, consuming_past_the_open_reads
 
 
 @pytest.fixture(autouse=True)
@@ -450,18 +450,13 @@ async def test_a_consuming_body_in_which_a_capture_begins_is_fenced_as_a_block(
     capture that is under way when it ends: the body's record is captured, so
     its ordinary copy is recorded once the capture ends, as a ``reading()``
     block's is, and the next writer waits for it."""
-    from cai_streams._pending import MAX_OPEN_READS
-
     arr = ops.array(np.ones(64, "float32"))
     out = ops.array(np.zeros(64, "float32"))
     t = cs.track(arr)
     s, w = cs.Stream(), cs.Stream()
-    others = [cs.Stream() for _ in range(MAX_OPEN_READS)]
     latch = None
     try:
-        async with cs.consuming(t, stream=s, timeout=5):
-            for o in others:
-                await cs.consume(t, stream=o, timeout=5)
+        async with consuming_past_the_open_reads(t, s):
             latch = ops.latch(s)
             ops.copy(s, out, arr)
             s.begin_capture("relaxed")

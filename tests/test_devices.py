@@ -138,42 +138,18 @@ def test_a_tracked_array_exports_a_stream_of_its_own_device(
     np.testing.assert_array_equal(ops.to_host(arr), 5.0)
 
 
+@pytest.mark.parametrize("capture", [False, True], ids=["", "device-0-capturing"])
 def test_a_read_open_on_device_1s_legacy_stream_is_waited_for_from_device_0(
-    ops: DeviceOps,
+    ops: DeviceOps, backend: cs.Backend, capture: bool
 ) -> None:
     """``consume(t, stream=1)`` with device 1 current leaves a read open on
-    device 1's legacy stream; a writer while device 0 is current records it on
-    that stream (handle 1 names the current device's: device 1 is made current
-    for the record), so the write waits for the held copy."""
-    with on_device(1):
-        arr = ops.array(np.ones(N, np.float32))
-        out = ops.array(np.zeros(N, np.float32))
-        legacy1 = cs.Stream.wrap(1)
-        t = cs.track(arr)
-        latch = ops.latch(legacy1)
-        ops.copy(legacy1, out, cs.consume_blocking(t, stream=legacy1))
-    w = cs.Stream(device=1)
-    try:
-        with t.writing(w):  # device 0 is current here
-            ops.fill(w, arr, 2.0)
-        assert not w.record().is_done, "the write did not wait for the read on device 1"
-    finally:
-        latch.release()
-    w.synchronize()
-    with on_device(1):
-        legacy1.synchronize()
-    np.testing.assert_array_equal(ops.to_host(out), 1.0)
-
-
-def test_a_capture_on_device_0_does_not_refuse_a_wait_on_device_1s_legacy_stream(
-    ops: DeviceOps, backend: cs.Backend
-) -> None:
-    """A read is open on device 1's legacy stream; device 0's per-thread
-    stream (a blocking stream) captures. A writer with device 0 current must
-    ask device 1's legacy stream, which that capture does not forbid: the
-    write goes through, waits for the held read, and the capture survives
-    (asked of device 0's legacy stream, it raised CaptureError)."""
-    if backend.name != "sim":
+    device 1's legacy stream; a writer while device 0 is current records it
+    on that stream and asks that stream whether it captures (handle 1 names
+    the current device's: device 1 is made current for both), so the write
+    waits for the held copy. With device 0's per-thread stream (a blocking
+    stream) capturing, asked of device 0's legacy stream, the write was
+    refused; now it goes through and the capture survives."""
+    if capture and backend.name != "sim":
         pytest.skip("a capture on the per-thread stream of a GPU would block the legacy stream")
     with on_device(1):
         arr = ops.array(np.ones(N, np.float32))
@@ -184,15 +160,19 @@ def test_a_capture_on_device_0_does_not_refuse_a_wait_on_device_1s_legacy_stream
         ops.copy(legacy1, out, cs.consume_blocking(t, stream=legacy1))
     w = cs.Stream(device=1)
     capturing = cs.Stream.wrap(2)  # device 0's, this thread's
-    capturing.begin_capture("relaxed")
+    if capture:
+        capturing.begin_capture("relaxed")
     try:
-        with t.writing(w):
+        with t.writing(w):  # device 0 is current here
             ops.fill(w, arr, 2.0)
         assert not w.record().is_done, "the write did not wait for the read on device 1"
     finally:
-        capturing.end_capture().close()  # (it was not invalidated)
+        if capture:
+            capturing.end_capture().close()  # (it was not invalidated)
         latch.release()
     w.synchronize()
+    with on_device(1):
+        legacy1.synchronize()
     np.testing.assert_array_equal(ops.to_host(out), 1.0)
 
 

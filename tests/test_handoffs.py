@@ -33,7 +33,7 @@ from cai_streams import sim
 from cai_streams._hold_table import table
 from cai_streams._pending import PendingWork
 
-from .device_ops import DeviceOps, Latch, SimOps
+from .device_ops import DeviceOps, Latch, SimOps, consuming_past_the_open_reads
 from .model import recycled_stream_handles, until
 
 pytestmark = pytest.mark.anyio
@@ -474,18 +474,13 @@ async def test_a_consuming_body_whose_stream_closes_in_it_is_waited_for_by_the_n
     oldest open read past ``MAX_OPEN_READS``); then the body copies the array
     on ``s`` (held) and closes ``s``: the body's record at the close covers the
     copy, so the next writer waits for it."""
-    from cai_streams._pending import MAX_OPEN_READS
-
     arr = ops.array(np.ones(64, "float32"))
     out = ops.array(np.zeros(64, "float32"))
     t = cs.track(arr)
     s, w = cs.Stream(), cs.Stream()
-    others = [cs.Stream() for _ in range(MAX_OPEN_READS)]
     latch = None
     try:
-        async with cs.consuming(t, stream=s, timeout=5):
-            for o in others:  # other consumers: s's open read is the oldest, recorded
-                await cs.consume(t, stream=o, timeout=5)
+        async with consuming_past_the_open_reads(t, s):
             latch = ops.latch(s)
             ops.copy(s, out, arr)
             done = s.record()
