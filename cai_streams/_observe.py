@@ -90,6 +90,10 @@ class Observer:
     def capture_ended(self, backend: Backend, stream: int, graph: int) -> None:
         """The capture on ``stream`` ended, as ``graph``."""
 
+    def capture_abandoned(self, backend: Backend, stream: int) -> None:
+        """The capture on ``stream`` ended with no graph (it was invalidated):
+        what it took never runs, and what comes next on the stream runs."""
+
     def instantiated(self, backend: Backend, graph: int, graph_exec: int) -> None:
         """``graph`` was instantiated as ``graph_exec``."""
 
@@ -381,9 +385,23 @@ def _begin_capture(backend: Backend, real: Any) -> Callable[..., Any]:
     return begin_capture
 
 
+def capture_abandoned(backend: Backend, stream: int) -> None:
+    """Tell every observer that the capture on ``stream`` ended with no graph
+    (a device reset ended it)."""
+    for o in _observers:
+        o.capture_abandoned(backend, stream)
+
+
 def _end_capture(backend: Backend, real: Any) -> Callable[..., Any]:
     def end_capture(stream: int) -> int:
-        graph: int = real(backend, stream)
+        try:
+            graph: int = real(backend, stream)
+        except BaseException:
+            # an invalidated capture ends in an error, and the stream has left
+            # capture mode all the same: what it took never runs
+            if not backend.is_capturing(stream):
+                capture_abandoned(backend, stream)
+            raise
         for o in _observers:
             o.capture_ended(backend, stream, graph)
         return graph

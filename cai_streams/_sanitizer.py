@@ -682,9 +682,22 @@ class _Watcher(Observer):
         with state.lock:
             origin = state.stream(backend, stream)
             state.graphs[(backend, graph, False)] = state.captured.pop(origin, [])
-            for table in (state.capture_of, state.capture_events):
-                for key in [k for k, v in table.items() if v == origin]:
-                    del table[key]
+            self._end_capture_of(origin)
+
+    def capture_abandoned(self, backend: Backend, stream: int) -> None:
+        state = _state
+        with state.lock:
+            origin = state.stream(backend, stream)
+            state.captured.pop(origin, None)  # (never runs: nothing to check it against)
+            self._end_capture_of(origin)
+
+    @staticmethod
+    def _end_capture_of(origin: Any) -> None:
+        """Lock held: no stream is in ``origin``'s capture any more (what is
+        enqueued on them from now on runs, and is checked as it comes)."""
+        for table in (_state.capture_of, _state.capture_events):
+            for key in [k for k, v in table.items() if v == origin]:
+                del table[key]
 
     def instantiated(self, backend: Backend, graph: int, graph_exec: int) -> None:
         with _state.lock:

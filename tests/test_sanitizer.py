@@ -749,3 +749,46 @@ def test_random_programs_match_the_happens_before_oracle() -> None:
     # handoff between host threads decides
     assert 0.2 * PROGRAMS < racy < 0.8 * PROGRAMS, racy
     assert threaded > 0.5 * PROGRAMS and decided > 0.03 * PROGRAMS, (threaded, decided)
+
+
+def _copy_into(out: np.ndarray[Any, Any], x: np.ndarray[Any, Any]) -> None:
+    out[...] = x
+
+
+@pytest.mark.parametrize("how", ["ended", "invalidated", "reset"])
+def test_a_stream_whose_capture_is_over_is_checked_again_however_it_ended(how: str) -> None:
+    """After a capture ends (with a graph, invalidated, or by a device reset),
+    what the stream runs is checked again: an unordered read of its write is
+    named. (An ended-in-error capture used to leave the stream capturing in
+    the sanitizer: every later kernel on it was filed as a graph's, unchecked.)
+    The control, unsanitized: the read really races (it sees the old data)."""
+    for checked in (True, False):
+        with cs.sanitize(checked):
+            x, out = sim.asarray(np.zeros(64)), sim.asarray(np.zeros(64))
+            s, b = cs.Stream(), cs.Stream()
+            s.begin_capture("relaxed")
+            sim.launch(s, lambda: None)
+            if how == "invalidated":
+                with pytest.raises(cs.CudaError):
+                    s.synchronize()  # forbidden while capturing: invalidates it
+                with pytest.raises(cs.CudaError):
+                    s.end_capture()
+            elif how == "reset":
+                sim.reset(s.device)
+            else:
+                s.end_capture().close()
+            assert not s.is_capturing
+            gate = threading.Event()
+            sim.launch(s, gate.wait, 10)
+            sim.launch(s, _write, x, writes=[x])
+            try:
+                if checked:
+                    with pytest.raises(cs.HazardError):
+                        sim.launch(b, _copy_into, out, x, reads=[x], writes=[out])
+                else:
+                    sim.launch(b, _copy_into, out, x, reads=[x], writes=[out])
+                    b.synchronize()
+                    assert (out.to_host(stream=b) == 0).all()  # read before the write
+            finally:
+                gate.set()
+            s.synchronize()

@@ -220,19 +220,21 @@ class SimBackend(Backend):
         dev.check_usable()
         return self.memory.allocate(nbytes, dev.ordinal, lambda: self._check_unsafe("cudaMalloc"))
 
-    def reset(self, device: int | None = None) -> None:
+    def reset(self, device: int | None = None) -> list[int]:
         """cudaDeviceReset of ``device`` (None: the current device), as far as
         modelled: the fault is cleared, kernels enqueued before never run,
         captures on the device end (invalidated), cached free blocks are
         released. Streams, events, graphs and live arrays stay valid (CUDA
-        destroys them). Does not block."""
+        destroys them). Returns the streams whose capture it ended. Does not
+        block."""
         dev = self._device(device)
-        self._captures.end_all(dev.ordinal)
+        ended = self._captures.end_all(dev.ordinal)
         with self._lock:
             dev.fault = None
             dev.fault_seen = False
             dev.epoch += 1
         self.memory.release_cached(dev.ordinal)
+        return ended
 
     def _check_unsafe(self, call: str) -> None:
         if self._captures.active:

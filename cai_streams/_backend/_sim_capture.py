@@ -67,12 +67,16 @@ class CaptureRules:
             stream.capture = None
             stream.tail = frozenset()
 
-    def end_all(self, device: int) -> None:
-        """End (invalidated) every capture on ``device``: a reset."""
+    def end_all(self, device: int) -> list[int]:
+        """End (invalidated) every capture on ``device``: a reset. Returns the
+        handles of the streams that were capturing."""
+        ended: list[int] = []
         with self._lock:
             for capture in [c for c in self.active if c.device == device]:
                 capture.invalidated = True
+                ended += [stream.handle for stream in capture.streams]
                 self._end(capture)
+        return ended
 
     # -- what a capture forbids ------------------------------------------------------
 
