@@ -34,9 +34,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol, TypeVar
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, CaptureMode
+from ._device import make_current
 from ._errors import CaptureError, CudaError, KernelError
 from ._identity import StreamId, is_open, thread_serial
 
@@ -61,6 +62,8 @@ __all__ = [
     "taken_or_complete",
     "TAKEN_BY_A_CAPTURE",
 ]
+
+T = TypeVar("T")
 
 #: cudaErrorStreamCaptureImplicit: the legacy stream used while a blocking stream captures
 _IMPLICIT = 906
@@ -151,36 +154,24 @@ def capturing(backend: Backend, key: StreamId) -> bool | None:
     if key.generation and not is_open(key):  # a stream this library made, closed since
         return False  # (never ask the driver about a destroyed handle)
     try:
-        return _capture_status(backend, key) != "none"
+        return _on_its_device(backend, key, backend.capture_status) != "none"
     except CudaError as exc:
         _gone_or_raise(exc, key)
         return False
 
 
-def _capture_status(backend: Backend, key: StreamId) -> str:
-    """The driver's capture status of ``key``'s stream. Handles 1 and 2 name
-    the current device's default streams: ``key``'s device is made current
-    around the ask (else another device's stream would answer)."""
+def _on_its_device(backend: Backend, key: StreamId, call: Callable[[int], T]) -> T:
+    """``call(key.handle)``. Handles 1 and 2 name the current device's default
+    streams: ``key``'s device is made current around the call (else another
+    device's stream would answer)."""
     if key.handle > PER_THREAD_DEFAULT_STREAM:
-        return backend.capture_status(key.handle)
-    previous = _switch_to_device_of(backend, key)
+        return call(key.handle)
+    previous = make_current(backend, key.device)
     try:
-        return backend.capture_status(key.handle)
+        return call(key.handle)
     finally:
         if previous is not None:
             backend.set_device(previous)
-
-
-def _switch_to_device_of(backend: Backend, key: StreamId) -> int | None:
-    """Make ``key``'s device current for a default stream's call; the device
-    to make current again after it (None: it was current, nothing switched).
-    One ``cudaGetDevice`` (no object made: every host consume of a producer
-    on the legacy stream comes here)."""
-    now = backend.current_device()
-    if now == key.device:
-        return None
-    backend.set_device(key.device)
-    return now
 
 
 def stream_phase(backend: Backend, key: StreamId) -> StreamPhase:
@@ -191,7 +182,7 @@ def stream_phase(backend: Backend, key: StreamId) -> StreamPhase:
         return StreamPhase.GONE
     if key.handle != PER_THREAD_DEFAULT_STREAM or key.thread == thread_serial():
         try:
-            state = _capture_status(backend, key) != "none"
+            state = _on_its_device(backend, key, backend.capture_status) != "none"
         except CudaError as exc:
             _gone_or_raise(exc, key)
             return StreamPhase.GONE
@@ -258,14 +249,7 @@ def _query_idle(backend: Backend, key: StreamId) -> bool:
     """cudaStreamQuery of a stream known not to capture, in relaxed mode."""
     previous = backend.exchange_capture_mode("relaxed")  # (inline, as in query_event:
     try:  # every host consume of an idle producer comes here)
-        if key.handle > PER_THREAD_DEFAULT_STREAM:
-            return backend.query_stream(key.handle)
-        switched = _switch_to_device_of(backend, key)  # (the current device's: key's, here)
-        try:
-            return backend.query_stream(key.handle)
-        finally:
-            if switched is not None:
-                backend.set_device(switched)
+        return _on_its_device(backend, key, backend.query_stream)
     finally:
         backend.exchange_capture_mode(previous)
 

@@ -15,7 +15,7 @@ from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend,
 if TYPE_CHECKING:
     from ._interface import ArrayView
 
-__all__ = ["OnDevice", "current_device", "device_count", "device_of", "set_device"]
+__all__ = ["OnDevice", "current_device", "device_count", "device_of", "make_current", "set_device"]
 
 
 def device_count() -> int:
@@ -62,19 +62,29 @@ class OnDevice:
     current device's streams: make it ``device`` inside. (A class: a handoff
     enters one for every view it hands to a stream.)"""
 
-    __slots__ = ("_backend", "_device", "_previous")
+    __slots__ = ("_backend", "_default", "_device", "_previous")
 
     def __init__(self, backend: Backend, device: int, handle: int) -> None:
         self._backend = backend
         self._device = device
+        self._default = handle in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM)
         self._previous: int | None = None
-        if handle in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM):
-            self._previous = backend.current_device()
 
     def __enter__(self) -> None:
-        if self._previous is not None and self._previous != self._device:
-            self._backend.set_device(self._device)
+        if self._default:
+            self._previous = make_current(self._backend, self._device)
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._previous is not None and self._previous != self._device:
+        if self._previous is not None:
             self._backend.set_device(self._previous)
+
+
+def make_current(backend: Backend, device: int) -> int | None:
+    """Make ``device`` this thread's current one; the device to make current
+    again after (None: it was current, nothing switched). One ``cudaGetDevice``,
+    no object made (a default stream's capture ask on every host consume)."""
+    now = backend.current_device()
+    if now == device:
+        return None
+    backend.set_device(device)
+    return now

@@ -250,13 +250,14 @@ def find_work(backend: Backend, obj: object) -> PendingWork | None:
     ``backend`` first, then on any other backend in use (an array tracked
     before another backend was made current). Does not block."""
     release_holds()  # every handoff, export and track() passes here: a bounded step
-    if _queued and len(_of_backend) > (backend in _of_backend):
+    others = len(_of_backend) > (backend in _of_backend)  # (another backend in use)
+    if _queued and others:
         _collect_elsewhere(backend)
     for sched in _of_backend.get(backend, ()):
         work = sched.work_of(obj)
         if work is not None:
             return work
-    if id(obj) in _tracked_ids and len(_of_backend) > (backend in _of_backend):
+    if others and id(obj) in _tracked_ids:
         for other, scheds in list(_of_backend.items()):  # (tracked before another was current)
             if other is not backend:
                 for sched in scheds:
