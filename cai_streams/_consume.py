@@ -467,10 +467,10 @@ def _handoffs(
     return [_handoff(obj, stream, sync, backend, protocol) for obj in objs]
 
 
-def _keep_owner(h: _Handoff) -> ViewLease | None:
+def _keep_owner(h: _Handoff, *, block: bool = False) -> ViewLease | None:
     if h.stream is None or not h.to_stream:
         return None
-    return hold_view_owner(h.view, h.stream)
+    return hold_view_owner(h.view, h.stream, block=block)
 
 
 async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
@@ -730,7 +730,7 @@ async def consuming(
         raise
     lease: ViewLease | None = None
     try:
-        lease = _keep_owner(handoff)
+        lease = _keep_owner(handoff, block=True)
         yield handoff.view
     finally:
         handoff.back_edge()

@@ -553,11 +553,16 @@ class _InLease:
     """A view's uses counted in one lease (an entry of ``ArrayView._leases``:
     one per lease, however often the view is handed to its stream)."""
 
-    __slots__ = ("lease", "uses")
+    __slots__ = ("kept", "lease", "uses")
 
     def __init__(self, lease: _Lease) -> None:
         self.lease = lease
         self.uses = 0
+        #: the use that lasts until the view is collected (a handoff outside
+        #: a ``consuming()`` block), once there is one: a view handed to the
+        #: same stream again is counted by it, not by one more reference each
+        #: time (a long-lived view handed on every request would grow the lease)
+        self.kept: ViewLease | None = None
 
 
 class ViewLease(weakref.ref[ArrayView]):
@@ -640,9 +645,10 @@ class ViewLease(weakref.ref[ArrayView]):
         return self is other
 
 
-def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
+def hold_view_owner(view: ArrayView, stream: Stream, *, block: bool = False) -> ViewLease | None:
     """``view`` was handed to ``stream``: keep ``view.owner`` until ``stream``
-    has passed what is enqueued while the view is in use (until it is collected).
+    has passed what is enqueued while the view is in use (until it is collected,
+    or for ``block``, until :meth:`ViewLease.end_use`: a ``consuming()`` block).
 
     Call it in the thread of the handoff (handle 2 is that thread's stream).
     Only bookkeeping; nothing is enqueued now. None when nothing will be
@@ -670,7 +676,13 @@ def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
         if lease is None:
             lease = _in_use[index] = _Lease(view, stream, key)
         lease.nbytes = max(lease.nbytes, view.nbytes)
+        if not new and not block:
+            kept = _kept_in(view, lease)
+            if kept is not None:  # counted until collected already
+                return kept
         ref = ViewLease(view, lease)
+        if not block:
+            ref.entry.kept = ref
         if _observe.active:
             ranges = _view_ranges(view)
             lease.ranges += tuple(r for r in ranges if r not in lease.ranges)
@@ -685,6 +697,16 @@ def hold_view_owner(view: ArrayView, stream: Stream) -> ViewLease | None:
     return ref
 
 
+def _kept_in(view: ArrayView, lease: _Lease) -> ViewLease | None:
+    """``_in_use_lock`` held: the use counting ``view`` in ``lease`` until it
+    is collected, if one still does."""
+    for entry in view._leases:
+        if entry.lease is lease:
+            kept = entry.kept
+            return kept if kept is not None and kept.use is _Use.COUNTED else None
+    return None
+
+
 def join_leases(source: ArrayView, derived: ArrayView) -> None:
     """``derived`` was made from ``source`` (``with_stream``): it joins each
     lease still counting ``source`` (once each), so the owner is held until
@@ -695,7 +717,8 @@ def join_leases(source: ArrayView, derived: ArrayView) -> None:
         lease = entry.lease
         with lease._lock, _in_use_lock:  # (as settle: no record in between)
             if entry.uses and lease.state is LeaseState.IN_USE:
-                ViewLease(derived, lease)
+                ref = ViewLease(derived, lease)
+                ref.entry.kept = ref
 
 
 def view_done(view: ArrayView, stream: Stream, lease: ViewLease | None) -> None:

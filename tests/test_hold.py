@@ -464,20 +464,25 @@ def test_a_loop_of_views_of_one_owner_on_one_stream_records_one_hold_and_keeps_t
     assert released_soon(ref)
 
 
-def test_a_view_handed_again_and_again_to_its_stream_keeps_one_entry_per_lease(
+def test_a_view_handed_again_and_again_to_its_stream_is_counted_once(
     ops: DeviceOps,
 ) -> None:
     """A view is its own parse, and ``with_stream`` of its own stream is
-    itself: handed to its stream in a loop, it is counted once per handoff,
-    in one entry (the list does not grow, nor what ``with_stream`` joins); an
-    export of it makes no view that joins its lease."""
+    itself: handed to its stream in a loop (a long-lived view, handed on
+    every request), it is counted once, by one reference, until it is
+    collected: neither its entry nor the lease grows with the handoffs (each
+    kept one more reference for the view's life before). The owner is still
+    held until the stream passes the work enqueued meanwhile; an export of it
+    makes no view that joins its lease."""
     s = cs.Stream()
     box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
     view = cs.consume_blocking(box, stream=s)
+    lease = view._leases[0].lease
     for _ in range(200):
         assert cs.consume_blocking(view, stream=s) is view
-    assert len(view._leases) == 1 and view._leases[0].uses == 201
-    lease = view._leases[0].lease
+    assert len(view._leases) == 1 and view._leases[0].uses == 1
+    assert len(lease.refs) == 1 and lease.views == 1
     views = lease.views
     cs.export(view)
     assert lease.views == views  # no throwaway view joined
@@ -487,6 +492,38 @@ def test_a_view_handed_again_and_again_to_its_stream_keeps_one_entry_per_lease(
     cs.stats()
     cs.stats()
     assert lease.views == views
+    latch = ops.latch(s)  # work enqueued while the view is in use: still pending
+    assert cs.consume_blocking(view, stream=s) is view
+    del view, box
+    cs.stats()
+    assert ref() is not None and not lease.refs
+    latch.release()
+    assert released_soon(ref)
+
+
+@pytest.mark.anyio
+async def test_a_consuming_block_on_a_view_kept_by_a_handoff_leaves_the_record_to_its_release(
+    ops: DeviceOps,
+) -> None:
+    """A ``consuming()`` block on a view already counted until collected is
+    counted on its own: its exit records nothing (the view is still in use),
+    and the one record comes when the view goes, after the block's work."""
+    s = cs.Stream()
+    box = Box(ops.array(np.zeros(64, np.float32)))
+    ref = weakref.ref(box)
+    view = cs.consume_blocking(box, stream=s)
+    lease = view._leases[0].lease
+    start = cs.stats()
+    async with cs.consuming(view, stream=s, timeout=5) as same:
+        assert same is view and lease.views == 2
+        latch = ops.latch(s)
+    assert lease.views == 1 and cs.stats()["holds_made"] == start["holds_made"]
+    del view, same, box
+    cs.stats()
+    assert cs.stats()["holds_made"] == start["holds_made"] + 1
+    assert ref() is not None  # the block's work is still pending
+    latch.release()
+    assert released_soon(ref)
 
 
 @pytest.mark.anyio
