@@ -77,7 +77,7 @@ from ._interface import ArrayView, byte_range, parse, parse_read
 from ._pending import PendingWork
 from ._poller import check_timeout, wait_blocking, wait_for_events
 from ._running import checkpoint
-from ._scheduler import Scheduler, any_scheduler, scheduler_for
+from ._scheduler import Scheduler, any_scheduler, export_stream_of, scheduler_for
 from ._stream import Stream, as_stream
 from ._tracebacks import release_frames
 from ._tracked import BLOCK_TIMEOUT, TrackedArray, lookup
@@ -264,7 +264,7 @@ class _TrackedOptOut(_Tracked):
         if not settings.export_stream:
             self.view = self.view.with_stream(None)
             return None
-        got = self.work.try_export(self.work.export_stream, me)
+        got = self.work.try_export(export_stream_of(self.work), me)
         if isinstance(got, Blocked):
             return got
         self.view = self.view.with_stream(got)

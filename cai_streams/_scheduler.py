@@ -214,6 +214,16 @@ _tracked_ids: dict[int, int] = {}
 _of_backend: dict[Backend, tuple[Scheduler, ...]] = {}
 
 
+def export_stream_of(work: PendingWork) -> Stream:
+    """The stream an export of ``work`` joins onto when given none: the one
+    it was tracked with while that is open, else its scheduler's own (a
+    closed stream can take no join, and the array stays exportable)."""
+    stream = work.export_stream
+    if stream.closed:
+        return scheduler_for(work.backend, work.device).export_stream
+    return stream
+
+
 def scheduler_for(backend: Backend, device: int | None = None) -> Scheduler:
     """The scheduler of ``backend``'s ``device`` (None: the current device)."""
     if device is None:

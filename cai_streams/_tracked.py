@@ -27,7 +27,7 @@ from ._hold_table import tick as release_holds
 from ._identity import stream_id_now
 from ._interface import ArrayView, parse
 from ._pending import PendingWork
-from ._scheduler import find_work, scheduler_for
+from ._scheduler import export_stream_of, find_work, scheduler_for
 from ._stream import Stream, as_stream
 
 __all__ = ["TrackedArray", "export", "lookup", "track"]
@@ -40,7 +40,7 @@ class TrackedArray:
     """An array whose pending work is tracked across streams (see :func:`track`).
 
     ``array`` is the wrapped object, ``view`` its validated interface and
-    ``export_stream`` the stream exports name by default. The pending work
+    ``export_stream`` the stream exports join onto by default. The pending work
     belongs to the array, not to this object: dropping it forgets nothing, and
     ``cs.track(array)`` gives a TrackedArray over the same state.
     """
@@ -60,8 +60,15 @@ class TrackedArray:
 
     @property
     def export_stream(self) -> Stream:
-        """The stream :meth:`export` joins onto when given none."""
-        return self._work.export_stream
+        """The stream :meth:`export` joins onto when given none: the one given
+        to :func:`track` while it is open, else the device's shared export
+        stream, which cai_streams owns (what is returned for it is a borrowed
+        wrapper: closing it only forgets it). Does not block."""
+        work = self._work
+        stream = export_stream_of(work)
+        if stream is scheduler_for(work.backend, work.device).export_stream:
+            return stream._same_stream()  # (its identity; never closes the shared one)
+        return stream
 
     @contextmanager
     def writing(self, stream: object, *, disjoint: bool = False) -> Iterator[TrackedArray]:
@@ -200,9 +207,22 @@ def _export_work(work: PendingWork, stream: object) -> dict[str, Any]:
     if not settings.export_stream:  # None always: not the stream the array was tracked on
         cai["stream"] = None
         return cai
-    x = work.export_stream if stream is None else as_stream(stream, work.backend)
-    cai["stream"] = _sync_handoff(lambda me: work.try_export(x, me), "export()")
+    if stream is not None:
+        cai["stream"] = _export_onto(work, as_stream(stream, work.backend))
+        return cai
+    x = export_stream_of(work)
+    try:
+        cai["stream"] = _export_onto(work, x)
+    except ValueError:
+        if not (x.closed and x is work.export_stream):
+            raise
+        # closed meanwhile, in another thread: the shared export stream takes it
+        cai["stream"] = _export_onto(work, export_stream_of(work))
     return cai
+
+
+def _export_onto(work: PendingWork, x: Stream) -> int | None:
+    return _sync_handoff(lambda me: work.try_export(x, me), "export()")  # type: ignore[no-any-return]
 
 
 _wrap_lock = threading.Lock()
@@ -234,8 +254,9 @@ def _wrapper(work: PendingWork, obj: object, layout: ArrayView, backend: Backend
 def track(obj: object, stream: object = None) -> TrackedArray:
     """Track pending work on ``obj`` (any object exposing the CUDA Array Interface).
 
-    ``stream`` is the export stream; None means the scheduler's own stream,
-    which lives as long as the process. The tracked state belongs to ``obj``:
+    ``stream`` is the export stream; None means the device's shared export
+    stream, which lives as long as the process (so does it once ``stream`` is
+    closed; tracking the object again may then name another). The tracked state belongs to ``obj``:
     tracking it again, from any thread, gives the same TrackedArray while one
     is alive, and a new one over the same pending work after it was dropped.
     Work the object's own CAI ``stream`` reports is pending from the start,
@@ -256,7 +277,8 @@ def track(obj: object, stream: object = None) -> TrackedArray:
                 work._note(own)
     if export_stream is not None and export_stream != work.export_stream:
         with _wrap_lock:
-            if work.wrapper is not None and work.wrapper() is not None:
+            live = work.wrapper is not None and work.wrapper() is not None
+            if live and not work.export_stream.closed:
                 raise ValueError(
                     f"{obj!r} is already tracked with export stream {work.export_stream!r}"
                 )

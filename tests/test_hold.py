@@ -478,6 +478,7 @@ def test_a_view_handed_again_and_again_to_its_stream_is_counted_once(
     box = Box(ops.array(np.zeros(64, np.float32)))
     ref = weakref.ref(box)
     view = cs.consume_blocking(box, stream=s)
+    assert len(view._leases) == 1
     lease = view._leases[0].lease
     for _ in range(200):
         assert cs.consume_blocking(view, stream=s) is view
@@ -512,6 +513,7 @@ async def test_a_consuming_block_on_a_view_kept_by_a_handoff_leaves_the_record_t
     box = Box(ops.array(np.zeros(64, np.float32)))
     ref = weakref.ref(box)
     view = cs.consume_blocking(box, stream=s)
+    assert len(view._leases) == 1
     lease = view._leases[0].lease
     start = cs.stats()
     async with cs.consuming(view, stream=s, timeout=5) as same:

@@ -540,6 +540,48 @@ def test_an_array_tracked_again_may_name_another_export_stream_once_unwrapped() 
     assert cs.track(data, stream=b).export_stream == b
 
 
+def test_an_array_whose_export_stream_closed_exports_onto_the_shared_one_after_its_writes() -> None:
+    """Closing the stream given to ``track`` does not make the array
+    unexportable (every CAI read raised "this Stream is closed", and tracking
+    it again with another stream was refused while the TrackedArray lived):
+    exports join onto the device's shared export stream, after the writes
+    pending on the closed stream (a latch holds them: a consumer that reads
+    there without the join sees zeros, the control)."""
+    ops = SimOps()
+    s, other = cs.Stream(), cs.Stream()
+    data = ops.array(np.zeros(N))
+    t = cs.track(data, stream=s)
+    latch = ops.latch(s)
+    with t.writing(s):
+        ops.fill(s, data, 1.0)
+    s.close()
+    shared = t.export_stream
+    assert shared != s and not shared.closed
+    assert shared == cs.track(sim.empty(4)).export_stream  # the device's shared one
+    with cs.sanitize(False):  # the control is racy on purpose
+        early = _consumer_sum(t.view.with_stream(None), data, own=other)  # no join: the control
+    out = _consumer_sum(t, data, own=other)
+    assert t.__cuda_array_interface__["stream"] == shared.handle
+    assert not shared.record().is_done  # the join waits for the latched write
+    latch.release()
+    assert early.to_host(stream=other)[0] == 0.0
+    assert out.to_host(stream=shared)[0] == N
+    assert cs.track(data, stream=other).export_stream == other  # may be named again now
+
+
+def test_closing_what_export_stream_returns_for_the_shared_stream_only_forgets_it() -> None:
+    """The shared export stream serves every tracked array of the device:
+    closing what ``export_stream`` returns must not destroy it (it broke
+    every later export on the device)."""
+    t, u = cs.track(sim.empty(4)), cs.track(sim.empty(4))
+    t.export_stream.close()
+    assert not u.export_stream.closed
+    with u.writing(cs.Stream()):
+        pass
+    assert cs.export(u)["stream"] == u.export_stream.handle
+    assert cs.consume_blocking(u, stream=cs.Stream()).stream is not None
+
+
 def test_streams_carry_their_device_and_identity() -> None:
     s = cs.Stream()
     assert s.device == cs.current_backend().current_device()
