@@ -49,7 +49,8 @@ class PollPolicy:
     makes ``spin`` passes separated only by a yield to the event loop (other
     tasks run in between); then it sleeps ``first`` seconds, multiplying the
     sleep by ``growth`` after every pass that finds nothing done, up to
-    ``cap``. A pass yields to the loop after querying for ``slice`` seconds,
+    ``cap`` (``first`` 0 only with ``cap`` 0: a sleep of 0 never grows). A
+    pass yields to the loop after querying for ``slice`` seconds,
     so even ten thousand pending events never hold the loop longer than that.
 
     A waiter is therefore woken at most about ``cap`` (plus one pass) after
@@ -100,6 +101,12 @@ class PollPolicy:
             raise ValueError(f"growth must be a finite number >= 1, got {self.growth!r}")
         if self.first > self.cap:
             raise ValueError(f"first ({self.first}) must not exceed cap ({self.cap})")
+        if self.first == 0 and self.cap > 0:
+            raise ValueError(
+                f"first=0 never grows toward cap ({self.cap}): the poller would never sleep, "
+                "a busy loop; give first > 0, or cap=0 for that on purpose "
+                "(PollPolicy.low_latency())"
+            )
 
     @classmethod
     def low_latency(cls) -> PollPolicy:

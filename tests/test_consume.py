@@ -7,6 +7,7 @@ consumer that did not wait sees the old values, deterministically.
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -567,11 +568,13 @@ def test_uvloop() -> None:
         {"growth": 0.5},
         {"first": 0.01, "cap": 0.001},
         {"slice": float("nan")},
+        {"first": 0.0, "cap": 0.001},  # a sleep of 0 never grows: a busy loop
     ],  # fmt: skip
 )
 def test_poll_policy_rejects_nonsense(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         cs.PollPolicy(**kwargs)
+    assert list(itertools.islice(cs.PollPolicy(first=0.0, cap=0.0).delays(), 3)) == [0.0] * 3
     with pytest.raises(TypeError):
         cs.configure(poll="fast")  # type: ignore[arg-type]
 
