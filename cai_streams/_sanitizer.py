@@ -40,7 +40,8 @@ actors have doubled since the last sweep; once no shadow names it any more
 its entry leaves every clock. A read ordered after an earlier read of the
 same bytes replaces it (a FastTrack read epoch), a write replaces every
 access it covers, and at each sweep an access every host thread is ordered
-after is forgotten (whatever comes next is made or enqueued by one of them).
+after is forgotten (whatever comes next is made or enqueued by one of them, or
+by a thread started and not seen yet, which counts from its start).
 A host thread that Python did not start (``_DummyThread``) is never retired.
 
 Granularity and what is not modelled: byte ranges as declared (a kernel that
@@ -292,8 +293,11 @@ class _State:
                     self.ended[thread] = final
         self.retired.update(dead)
         # an access every host thread is ordered after can race with nothing
-        # any more: whatever comes next is enqueued (or made) by one of them
+        # any more: whatever comes next is enqueued (or made) by one of them,
+        # or by a thread started but not seen yet, which starts from what its
+        # starter had done then (an access after that start stays)
         hosts = [c for a, c in self.clocks.items() if a[0] == "host"]
+        hosts += [c for t, c in list(self.started.items()) if t.ident is None or t.is_alive()]
         if hosts:
             self.shadows.keep(0, 1 << 64, lambda a: None if _before_all(a, hosts) else a)
         named = {a.actor for segment in self.shadows for a in segment.accesses()}

@@ -381,6 +381,46 @@ def test_an_unseen_handoff_is_named_as_a_missing_host_thread_ordering() -> None:
     assert "cs.happens_before(token)" in message and "queue.Queue" in message
 
 
+@pytest.mark.parametrize("sweep", [False, True], ids=["no sweep", "a sweep in between"])
+def test_a_thread_started_before_the_write_is_checked_the_same_after_a_sweep(sweep: bool) -> None:
+    """A thread started before the write, and not seen by the sanitizer yet,
+    reads after an unseen handoff (a ``_thread`` lock): the read is unordered.
+    The main thread synchronized, so a sweep finds every *registered* host
+    thread ordered after the write; it forgot the write, and the same program
+    passed or failed depending on whether a sweep ran first. A thread started
+    and not seen yet now counts at the sweep, from its start."""
+    x = zeros()
+    go = _thread.allocate_lock()
+    go.acquire()
+    got: list[object] = []
+
+    def reader() -> None:
+        if not go.acquire(timeout=10):
+            got.append(TimeoutError("never handed over"))
+            return
+        try:
+            got.append(x.to_host())
+        except cs.HazardError as exc:
+            got.append(exc)
+
+    th = threading.Thread(target=reader)
+    th.start()  # before the write: it starts from nothing of it
+    try:
+        s = cs.Stream()
+        write(s, x)
+        s.synchronize()
+        if sweep:
+            from cai_streams import _sanitizer
+
+            with _sanitizer._state.lock:  # (as the sanitizer sweeps: under its lock)
+                _sanitizer._state.sweep()
+    finally:
+        go.release()  # the handoff the sanitizer does not see
+        th.join(10)
+    assert len(got) == 1 and isinstance(got[0], cs.HazardError), got
+    assert "kernel 'ones'" in str(got[0])
+
+
 @pytest.mark.parametrize("name", list(HANDOFFS))
 def test_the_early_handoff_reads_wrong_data_unsanitized(name: str) -> None:
     """The control: the program the sanitizer names really races."""
