@@ -255,12 +255,13 @@ def track(obj: object, stream: object = None) -> TrackedArray:
     """Track pending work on ``obj`` (any object exposing the CUDA Array Interface).
 
     ``stream`` is the export stream; None means the device's shared export
-    stream, which lives as long as the process (so does it once ``stream`` is
-    closed; tracking the object again may then name another). The tracked state belongs to ``obj``:
-    tracking it again, from any thread, gives the same TrackedArray while one
-    is alive, and a new one over the same pending work after it was dropped.
-    Work the object's own CAI ``stream`` reports is pending from the start,
-    and again at every access and handoff. Does not block.
+    stream, which lives as long as the process (and takes the exports once
+    ``stream`` is closed; tracking the object again may then name another).
+    The tracked state belongs to ``obj``: tracking it again, from any thread,
+    gives the same TrackedArray while one is alive, and a new one over the
+    same pending work after it was dropped. Work the object's own CAI
+    ``stream`` reports is pending from the start, and again at every access
+    and handoff. Does not block.
     """
     if isinstance(obj, TrackedArray):
         return obj
