@@ -508,7 +508,7 @@ async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
         events = [e for h in handoffs for e in h.events]
         if events:
             left = None if deadline is None else max(0.0, deadline - anyio.current_time())
-            await wait_for_events(handoffs[0].sched.backend, events, timeout=left)
+            await wait_for_events(handoffs[0].sched.backend, events, timeout=left, given=timeout)
         elif not to_stream:
             await checkpoint()
         complete = True
@@ -683,7 +683,7 @@ def consume_blocking(
         if handoff.events:  # complete work (the common case) has nothing to wait for
             events = [e for e, _ in handoff.events]
             left = None if timeout is None else max(0.0, deadline - time.monotonic())
-            wait_blocking(handoff.sched.backend, events, timeout=left, keepalive=obj)
+            wait_blocking(handoff.sched.backend, events, timeout=left, keepalive=obj, given=timeout)
     except BaseException as exc:  # a kept traceback must not keep the view's owner
         handoff.finish(complete=False)
         release_frames(exc)

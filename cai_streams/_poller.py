@@ -456,6 +456,7 @@ async def wait_for_events(
     *,
     timeout: float | None,
     keepalive: object = None,
+    given: float | None = None,
 ) -> None:
     """Wait until every event is complete, yielding to the event loop.
 
@@ -464,7 +465,8 @@ async def wait_for_events(
     the waits and leaves the events alone: their owners release them. A failed
     event raises the driver's :class:`~cai_streams.CudaError` here, in the
     waiting task. If the shared poller task is cancelled, the waiters start a
-    new one.
+    new one. ``given``: the caller's own timeout, which the TimeoutError names
+    (``timeout`` is what is left of it), if it differs.
     """
     check_timeout(timeout)
     poller = _current_poller()
@@ -491,7 +493,8 @@ async def wait_for_events(
                 while pending:
                     pending = await _wait_once(_current_poller(), backend, pending)
             if scope.cancelled_caught:
-                raise TimeoutError(f"GPU work not complete after {timeout} s")
+                said = timeout if given is None else given
+                raise TimeoutError(f"GPU work not complete after {said} s")
     except BaseException:
         keepalive = None  # a kept traceback keeps this frame, not what it kept
         raise
@@ -532,20 +535,28 @@ async def wait_for_event(
 
 
 def wait_blocking(
-    backend: Backend, events: Sequence[int], *, timeout: float | None, keepalive: object = None
+    backend: Backend,
+    events: Sequence[int],
+    *,
+    timeout: float | None,
+    keepalive: object = None,
+    given: float | None = None,
 ) -> None:
-    """Block the calling thread until every event is complete, at most ``timeout`` s."""
+    """Block the calling thread until every event is complete, at most ``timeout``
+    s. ``given``: the caller's own timeout, which the TimeoutError names."""
     check_timeout(timeout)
     try:
         with _capture_guard.relaxed(backend):
-            _wait_blocking(backend, events, timeout)
+            _wait_blocking(backend, events, timeout, timeout if given is None else given)
     except BaseException:
         keepalive = None  # a kept traceback keeps this frame, not what it kept
         raise
     del keepalive
 
 
-def _wait_blocking(backend: Backend, events: Sequence[int], timeout: float | None) -> None:
+def _wait_blocking(
+    backend: Backend, events: Sequence[int], timeout: float | None, given: float | None
+) -> None:
     if timeout is None or math.isinf(timeout):
         for event in events:
             backend.synchronize_event(event)
@@ -556,6 +567,6 @@ def _wait_blocking(backend: Backend, events: Sequence[int], timeout: float | Non
         while not backend.query(event):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"GPU work not complete after {timeout} s")
+                raise TimeoutError(f"GPU work not complete after {given} s")
             time.sleep(min(delay, left))
             delay = min(0.001, delay * 2)

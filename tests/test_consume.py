@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import numpy as np
 import pytest
 
@@ -263,6 +265,40 @@ async def test_timeout_raises_and_leaks_nothing(ops: DeviceOps) -> None:
         latch.release()
     s.synchronize()
     assert cs.stats()["events_in_flight"] == base
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["await consume", "consume_blocking"])
+async def test_a_timeout_names_the_callers_timeout_not_what_was_left(
+    ops: DeviceOps, blocking: bool
+) -> None:
+    """Part of the timeout goes to waiting for another thread's ``writing()``
+    block; the TimeoutError still names the timeout the caller gave (it named
+    what was left for the GPU wait: "after 0.19 s" for ``timeout=0.3``)."""
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(8, "float32")))
+    latch = ops.latch(s)
+    opened, end = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with t.writing(s):
+            ops.fill(s, t.array, 1.0)
+            opened.set()
+            end.wait(0.1)
+
+    th = threading.Thread(target=writer)
+    th.start()
+    try:
+        assert opened.wait(10)
+        with pytest.raises(TimeoutError) as info:
+            if blocking:
+                await anyio.to_thread.run_sync(lambda: cs.consume_blocking(t, timeout=0.3))
+            else:
+                await cs.consume(t, timeout=0.3)
+        assert str(info.value) == "GPU work not complete after 0.3 s", str(info.value)
+    finally:
+        th.join(10)
+        latch.release()
+    s.synchronize()
 
 
 async def test_cancelled_waiters_leak_nothing_and_keep_owners_alive(ops: DeviceOps) -> None:
