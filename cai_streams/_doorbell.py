@@ -762,6 +762,16 @@ class PollerBells:
         os.close(bell.rfd)
         _doorbell.done(bell, _Phase.CLOSED)
 
+    def retire_for(self, entry: Armable) -> None:
+        """Every waiter of ``entry`` left (cancelled, timed out): stop watching
+        its bell. Its host function is still queued, so the doorbell keeps it
+        as an orphan, which the next wait on the same record adopts: a waiter
+        that keeps timing out on a long kernel holds one pipe, not one per wait
+        (each bell left watched took two descriptors, until the doorbell's limit
+        refused bells to every loop)."""
+        for bell in [b for b in self._watched if b.entry is entry]:
+            self._retire(bell)
+
     def retire_all(self) -> None:
         """The poller ended: stop watching every bell still armed. Their host
         functions still close their write ends; nothing waits for that."""

@@ -305,14 +305,19 @@ class _Poller:
 
     def remove(self, entry: _Entry, waiter: anyio.Event) -> None:
         """A waiter gave up (cancelled or timed out). Its entry stays queued
-        without waiters (skipped, never queried) so the stream's order holds."""
+        without waiters (skipped, never queried) so the stream's order holds;
+        its bell, if armed, is retired for the next wait on it to adopt."""
         try:
             entry.waiters.remove(waiter)
         except ValueError:
             return
+        if entry.waiters:
+            return
         key = (entry.backend, entry.event)
-        if not entry.waiters and self.entries.get(key) is entry:
+        if self.entries.get(key) is entry:
             del self.entries[key]
+        if entry.bell is BellState.ARMED:
+            self.bells.retire_for(entry)
 
     def _start(self) -> None:
         self.generation += 1

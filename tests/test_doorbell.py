@@ -759,6 +759,42 @@ async def test_a_waiter_that_keeps_timing_out_rearms_one_pipe() -> None:
     s.close()
 
 
+async def test_back_to_back_timed_out_waits_keep_one_pipe_while_the_poller_runs() -> None:
+    """The same, with no pause between the waits (the poller never ends):
+    each waiter that gives up retires its bell at once, and the next wait on
+    the record adopts it. Each bell used to stay watched, so every wait armed
+    a new pipe, until the doorbell's limit refused bells to every waiter in
+    the process (an unrelated stream's waiter then got none)."""
+    cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    before = _settled()
+    s, gate = cs.Stream(), threading.Event()
+    sim.launch(s, lambda: gate.wait(20))
+    event = s.record()
+    held = []
+    try:
+        for _ in range(3 * _doorbell.MAX_FDS // 2):  # past the limit, without the fix
+            with anyio.move_on_after(0.002):
+                await event.wait()
+            held.append(_doorbell._doorbell.fds - before["doorbell_fds"])
+        other = cs.Stream()
+        sim.launch(other, lambda: None, duration=0.05)
+        armed = cs.stats()["doorbells_armed"]
+        await other.record().wait(timeout=10)
+        assert cs.stats()["doorbells_armed"] > armed  # it still got a bell
+    finally:
+        gate.set()
+    await event.wait(timeout=10)
+    assert max(held) <= 2, held
+    await _poller_ended()
+    s.synchronize()
+    _sync_lanes()
+    assert _settled()["doorbell_fds"] == before["doorbell_fds"]
+    event.close()
+    s.close()
+    other.close()
+
+
 async def test_waits_that_time_out_on_many_records_hold_at_most_max_fds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
