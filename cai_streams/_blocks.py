@@ -17,7 +17,7 @@ import anyio
 
 from ._access import Access, Kind
 from ._identity import StreamId
-from ._poller import poll_policy
+from ._poller import policy_sleep, poll_policy
 from ._running import current_task_id
 from ._stream import Stream
 
@@ -148,4 +148,4 @@ async def wait_block_async(block: OpenBlock, deadline: float | None) -> None:
                     f"{holder} writing() block of this array did not end in time"
                 )
             delay = min(delay, left)
-        await anyio.sleep(delay)
+        await policy_sleep(delay)  # (a new policy ends it: the old one's length)

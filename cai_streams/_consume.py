@@ -49,6 +49,7 @@ for first: awaited from a coroutine (never blocking the loop), blocked on in
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -61,6 +62,7 @@ from ._access import Access
 from ._backend import Backend, current_backend
 from ._blocks import Blocked, OpenBlock, Owner, current_owner, wait_block_async, wait_block_sync
 from ._config import settings
+from ._deferred import in_collection, later
 from ._dlpack_import import (
     Protocol,
     Unread,
@@ -513,7 +515,10 @@ async def _run(handoffs: list[_Handoff], timeout: float | None) -> None:
             await checkpoint()
         complete = True
     finally:
-        _finish_all(begun, complete=complete)
+        if in_collection():  # the task of a closed event loop, collected: this thread
+            later(functools.partial(_finish_all, begun, complete=complete))  # may hold a lock
+        else:
+            _finish_all(begun, complete=complete)
 
 
 def _finish_all(begun: list[_Handoff], *, complete: bool) -> None:

@@ -199,12 +199,28 @@ class _Lane:
 class _Bell:
     """One armed bell: its pipe, for the entry it was armed for."""
 
-    __slots__ = ("entry", "inode", "key", "lane", "loop_closed", "phase", "rfd", "wfd")
+    __slots__ = (
+        "entry",
+        "event",
+        "inode",
+        "key",
+        "lane",
+        "loop_closed",
+        "phase",
+        "rfd",
+        "seq",
+        "wfd",
+    )
 
     def __init__(
         self, entry: Armable, key: Hashable, lane: _Lane, rfd: int, wfd: int, inode: int
     ) -> None:
-        self.entry = entry
+        #: the poller's entry while watched; None once retired (an orphan
+        #: outlives its poller, whose entry holds the waiters and their loop)
+        self.entry: Armable | None = entry
+        #: the record it rings for (an orphan is adopted by a wait on it again)
+        self.event = entry.event
+        self.seq = entry.seq
         self.key = key
         self.lane = lane
         self.rfd = rfd
@@ -217,7 +233,7 @@ class _Bell:
         self.phase = _Phase.WATCHED
         #: whether the event loop watching it has been closed (without its
         #: poller ending: then a sweep retires the bell)
-        self.loop_closed: Callable[[], bool] = _never
+        self.loop_closed: Callable[[], bool] = never_closed
 
 
 #: a bell that fired: the poller's entry and its queue's key (its producer stream)
@@ -363,7 +379,7 @@ class _Doorbell:
             return None
         for lane in self.serving.get((entry.backend, key), ()):
             for i, orphan in enumerate(lane.orphans):
-                if orphan.entry.seq == entry.seq and orphan.entry.event == entry.event:
+                if orphan.seq == entry.seq and orphan.event == entry.event:
                     del lane.orphans[i]
                     return self._watch(
                         _Bell(entry, key, lane, orphan.rfd, orphan.wfd, orphan.inode)
@@ -561,6 +577,7 @@ class _Doorbell:
                     self._close_orphans(lane, idle=False)
             else:
                 counters.retired += 1
+                bell.entry = None  # (its waiters, and their event loop, may go now)
                 lane.orphans.append(bell)
             if not lane.watched and not lane.orphans:
                 self._release(lane)
@@ -591,7 +608,8 @@ class _Doorbell:
             self._close_if_ours(wfd)
 
 
-def _never() -> bool:
+def never_closed() -> bool:
+    """A ``loop_closed`` for what no closed loop can strand (trio ends its runs)."""
     return False
 
 
@@ -692,15 +710,16 @@ class PollerBells:
                     # end-of-file: the host function ran. Wake the waiters
                     # first; close the read end (a system call, which releases
                     # the GIL to the notifier stream's thread) after they resume.
-                    if bell.phase is _Phase.WATCHED:
+                    entry = bell.entry
+                    if bell.phase is _Phase.WATCHED and entry is not None:
                         try:
-                            self._poller_rang([(bell.entry, bell.key)])
+                            self._poller_rang([(entry, bell.key)])
                         finally:
                             later = asyncio.get_running_loop().call_soon  # in its loop
                             self._stop_watching(bell, _Phase.FIRED, later=later)
 
                 def watch(bell: _Bell) -> None:
-                    bell.loop_closed = functools.partial(_gone_or_closed, loop_ref)
+                    bell.loop_closed = functools.partial(loop_gone_or_closed, loop_ref)
                     asyncio.get_running_loop().add_reader(bell.rfd, readable, bell)
 
                 def unwatch(bell: _Bell) -> None:
@@ -719,9 +738,10 @@ class PollerBells:
         try:
             if bell.phase is _Phase.WATCHED:  # never touch a read end closed meanwhile
                 await trio.lowlevel.wait_readable(bell.rfd)  # end-of-file: it ran
-                if bell.phase is _Phase.WATCHED:
+                entry = bell.entry
+                if bell.phase is _Phase.WATCHED and entry is not None:
                     try:
-                        self._poller_rang([(bell.entry, bell.key)])
+                        self._poller_rang([(entry, bell.key)])
                     finally:
                         self._stop_watching(bell, _Phase.FIRED)
         except trio.ClosedResourceError:
@@ -778,6 +798,13 @@ class PollerBells:
         self._chained.clear()
         for bell in list(self._watched):
             self._retire(bell)
+
+    def abandon(self) -> None:
+        """The poller's event loop was closed under it: retire its bells and
+        drop its sleep under way (whose future holds the loop)."""
+        self.retire_all()
+        self._wake = None
+        self._woken = Woken.NO
 
     def wake_now(self, why: Woken = Woken.PASS) -> None:
         """End the current sleep between passes (or the next one) at once;
@@ -924,7 +951,8 @@ class PollerBells:
         return nap
 
 
-def _gone_or_closed(loop_ref: weakref.ref[asyncio.AbstractEventLoop]) -> bool:
+def loop_gone_or_closed(loop_ref: weakref.ref[asyncio.AbstractEventLoop]) -> bool:
+    """Whether the asyncio loop ``loop_ref`` names was collected or closed."""
     loop = loop_ref()
     return loop is None or loop.is_closed()
 

@@ -21,9 +21,13 @@ sleep short when that event completes, and the poller then sleeps at the slow
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import functools
 import math
+import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -34,7 +38,17 @@ import sniffio
 
 from . import _capture_guard
 from ._backend import Backend
-from ._doorbell import WAKE_MODES, BellState, Fired, PollerBells, WakeMode, Woken, wants_doorbell
+from ._doorbell import (
+    WAKE_MODES,
+    BellState,
+    Fired,
+    PollerBells,
+    WakeMode,
+    Woken,
+    loop_gone_or_closed,
+    never_closed,
+    wants_doorbell,
+)
 from ._events import Mark
 from ._observe import saw_complete
 
@@ -142,7 +156,39 @@ def set_poll_policy(policy: PollPolicy) -> PollPolicy:
     if not isinstance(policy, PollPolicy):
         raise TypeError(f"expected a PollPolicy, got {type(policy).__name__}")
     old, _policy = _policy, policy
+    with _pollers_lock:
+        pollers = list(_pollers)
+    for poller in pollers:  # (each in its own event loop, maybe in another thread)
+        poller.policy_changed()
     return old
+
+
+#: every poller bound to its event loop, weakly: told of a new policy from
+#: any thread, and swept for the event loops closed under them
+_pollers: weakref.WeakSet[_Poller] = weakref.WeakSet()
+_pollers_lock = threading.Lock()  # bookkeeping only
+
+
+def _soon_in(loop_ref: weakref.ref[asyncio.AbstractEventLoop], fn: Callable[[], object]) -> None:
+    """``fn()`` in the asyncio loop ``loop_ref`` names, from any thread;
+    RuntimeError if the loop is closed."""
+    loop = loop_ref()
+    if loop is None:
+        raise RuntimeError("the event loop is gone")
+    loop.call_soon_threadsafe(fn)
+
+
+def sweep_pollers() -> None:
+    """Let go of what the pollers of event loops closed with their pollers
+    running hold (``loop.close()`` without cancelling its tasks): their
+    waiters, task and sleep hold the loop, which the poller is stored under
+    weakly, so the loop, its tasks and what they keep would never be freed.
+    Does not block."""
+    with _pollers_lock:
+        pollers = list(_pollers)
+    for poller in pollers:
+        if poller.loop_closed():
+            poller.abandon()
 
 
 #: bounded work done on every pass (releasing completed stream-ordered holds);
@@ -205,6 +251,60 @@ class _Poller:
         self.mean_gap = math.inf
         self._task: object = None  # asyncio needs a strong reference to its task
         self.bells = PollerBells(self._rang)
+        #: runs a function in this poller's event loop, from any thread (None
+        #: until bound); an asyncio loop is held weakly (the poller is stored
+        #: under it weakly: a strong reference would keep it for good)
+        self._in_loop: Callable[[Callable[[], object]], object] | None = None
+        #: whether its asyncio loop is closed (never, for trio)
+        self.loop_closed: Callable[[], bool] = never_closed
+        #: block waiters asleep in this loop (``policy_sleep``): woken by a new policy
+        self.sleepers: set[anyio.Event] = set()
+
+    def bind_loop(self) -> None:
+        """In its event loop: say how to reach it from another thread."""
+        if self._in_loop is not None:
+            return
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            self._in_loop = trio.lowlevel.current_trio_token().run_sync_soon
+        else:  # asyncio, uvloop
+            loop_ref = weakref.ref(asyncio.get_running_loop())
+            self._in_loop = functools.partial(_soon_in, loop_ref)
+            self.loop_closed = functools.partial(loop_gone_or_closed, loop_ref)
+        with _pollers_lock:
+            _pollers.add(self)
+
+    def policy_changed(self) -> None:
+        """Any thread: a new policy; end the sleeps under way in this loop,
+        whose length was the old policy's."""
+        call = self._in_loop
+        if call is None:
+            return
+        try:
+            call(self._follow_policy)
+        except RuntimeError:  # its loop is closed, or its trio run ended
+            pass
+
+    def _follow_policy(self) -> None:
+        if self.running:
+            self.bells.wake_now()
+        for sleeper in list(self.sleepers):
+            sleeper.set()
+
+    def abandon(self) -> None:
+        """Its asyncio loop was closed with this poller running: drop the
+        waiters, task and sleep that hold the loop (none is woken: the loop
+        runs no more), so the loop and its tasks can be collected; their
+        handoffs then let go of their events (``_consume``: at the next
+        library call)."""
+        self.generation += 1  # (its task's end, if it ever comes, is not this one's)
+        self.running = False
+        self._task = None
+        self.bells.abandon()
+        self.queues = {}
+        self.entries = {}
+        self.sleepers = set()
 
     def add(self, backend: Backend, event: int, mark: Mark | None, waiter: anyio.Event) -> _Entry:
         key: Hashable = mark.key if mark is not None else ("event", backend, event)
@@ -320,6 +420,8 @@ class _Poller:
             self.bells.retire_for(entry)
 
     def _start(self) -> None:
+        self.bind_loop()
+        sweep_pollers()  # (a new loop: an old one may have been closed under its poller)
         self.generation += 1
         generation = self.generation
         if sniffio.current_async_library() == "trio":
@@ -446,6 +548,21 @@ def _current_poller() -> _Poller:
         poller = _Poller()
         _poller_var.set(poller)
         return poller
+
+
+async def policy_sleep(delay: float) -> None:
+    """Sleep ``delay`` seconds, or until the poll policy is changed (from any
+    thread): a waiter pacing itself by the policy follows a new one at once.
+    A cancellation point."""
+    poller = _current_poller()
+    poller.bind_loop()
+    woken = anyio.Event()
+    poller.sleepers.add(woken)
+    try:
+        with anyio.move_on_after(delay):
+            await woken.wait()
+    finally:
+        poller.sleepers.discard(woken)
 
 
 def check_timeout(timeout: float | None) -> None:

@@ -28,6 +28,7 @@ from ._identity import StreamId, stream_id_now
 from ._interface import ArrayView, byte_range
 from ._pending import PendingWork
 from ._poller import counters as poll_counters
+from ._poller import sweep_pollers
 from ._stream import Stream
 
 __all__ = ["Scheduler", "any_scheduler", "find_work", "scheduler_for", "schedulers_of", "stats"]
@@ -317,6 +318,7 @@ def stats() -> dict[str, int]:
     are released first (it makes one stream query per notifier stream in
     use).
     """
+    sweep_pollers()  # (what the pollers of closed event loops hold goes first)
     holds.sweep()
     backend = current_backend()
     scheds = schedulers_of(backend) or [scheduler_for(backend)]

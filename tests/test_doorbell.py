@@ -400,6 +400,58 @@ def test_event_loops_are_not_kept_alive() -> None:
     assert [ref() for ref in loops] == [None] * 6
 
 
+@pytest.mark.parametrize("wake", ["poll", "doorbell"])
+def test_a_loop_closed_with_waiters_parked_is_let_go_with_what_they_keep(wake: str) -> None:
+    """``loop.close()`` without cancelling a task parked in ``await consume``:
+    its poller, stored under the loop weakly, held the loop through the
+    waiter's event, its task and its sleep, so the loop, the task, the array
+    it consumed and its pinned event were never freed (a plain
+    ``asyncio.sleep`` task is: the control). The next ``cs.stats()`` (or a
+    poller starting in another loop) lets go, and the next collection frees
+    them; the handoff gives its event back at the next library call."""
+    import asyncio
+
+    cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake=wake))  # type: ignore[arg-type]
+    before = _settled()
+    s, gate = cs.Stream(), threading.Event()
+    arr = sim.asarray(np.zeros(4, np.float32))
+    t = cs.track(arr)
+    with t.writing(s):
+        sim.launch(s, lambda x: gate.wait(20), arr, writes=[arr])
+    owner = weakref.ref(arr)
+    box = [t]
+    del arr, t
+
+    def abandon(body: Any) -> weakref.ref[asyncio.AbstractEventLoop]:
+        loop = asyncio.new_event_loop()
+        loop.create_task(body())  # noqa: RUF006 - abandoned on purpose
+        loop.run_until_complete(asyncio.sleep(0.05))  # (parked)
+        loop.close()
+        return weakref.ref(loop)
+
+    async def waiter() -> None:
+        await cs.consume(box.pop())
+
+    async def sleeper() -> None:
+        await asyncio.sleep(100)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (asyncio: "Task was destroyed but it is pending")
+        control, parked = abandon(sleeper), abandon(waiter)
+        assert cs.stats()["events_pinned"] == before["events_pinned"] + 1
+        gate.set()
+        s.synchronize()
+        cs.stats()
+        gc.collect()
+        after = cs.stats()
+    assert control() is None and parked() is None
+    assert owner() is None
+    assert after["events_pinned"] == before["events_pinned"]
+    assert after["events_in_flight"] == before["events_in_flight"]
+    s.close()
+
+
 async def test_cancelled_and_timed_out_waiters_leak_no_bell(ops: DeviceOps) -> None:
     if ops.name != "sim":
         pytest.skip("the sim's counters; the GPU tier runs the same code")
@@ -1010,7 +1062,7 @@ async def test_the_doorbell_never_closes_a_descriptor_that_is_not_its_own() -> N
         await event.wait()
     await _poller_ended()
     (orphan,) = [b for pool in _doorbell._doorbell.lanes.values() for lane in pool
-                 for b in lane.orphans if b.entry.event == event.handle]  # fmt: skip
+                 for b in lane.orphans if b.event == event.handle]  # fmt: skip
     copy = os.dup(orphan.wfd)
     gate.set()
     cs.current_backend().synchronize_stream(orphan.lane.stream)  # the function ran
