@@ -20,6 +20,7 @@ interface that cannot be read (a CPU tensor's). ``protocol="cai"`` or
 from __future__ import annotations
 
 import enum
+import operator
 import sys
 import threading
 import warnings
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any, Final, Literal
 
 from . import _dlpack
+from ._backend import current_backend
 from ._errors import CudaWarning, InterfaceError
 from ._interface import ArrayView, parse
 
@@ -265,17 +267,27 @@ def read_capsule(capsule: object, *, stream: int | None, producer: str = "DLPack
 
 def cuda_device_of(obj: Any) -> int:
     """The CUDA device ``obj.__dlpack_device__()`` reports; InterfaceError for
-    any other kind of device or a malformed answer. Does not block."""
+    any other kind of device, a device the current backend does not have, or
+    a malformed answer (two integers, as ``operator.index`` takes them: an
+    enum member or a NumPy integer, not a float or a string). Does not block."""
     device = obj.__dlpack_device__()
     try:
-        kind, ordinal = (int(v) for v in device)
+        kind, ordinal = device
+        kind, ordinal = operator.index(kind), operator.index(ordinal)
     except (TypeError, ValueError):
         raise InterfaceError(
             f"{type(obj).__qualname__}.__dlpack_device__() returned {device!r}: expected "
-            "(device_type, device_id)"
+            "(device_type, device_id), two integers"
         ) from None
     if kind != _dlpack.DeviceType.CUDA:
         raise _not_cuda((kind, ordinal), f"producer {type(obj).__qualname__}")
+    backend = current_backend()
+    count = backend.device_count()
+    if not 0 <= ordinal < count:
+        raise InterfaceError(
+            f"{type(obj).__qualname__}.__dlpack_device__() returned {device!r}: CUDA device "
+            f"{ordinal} does not exist (the {backend.name!r} backend has {count} device(s))"
+        )
     return ordinal
 
 

@@ -739,6 +739,39 @@ def test_cpu_producers_are_refused_before_a_capsule_is_made() -> None:
         cs.consume_blocking(np.arange(3.0))  # numpy's own object
 
 
+@pytest.mark.parametrize("stream", [None, "a stream"])
+@pytest.mark.parametrize(
+    ("device", "says"),
+    [
+        ((2, -1), "CUDA device -1 does not exist"),
+        ((2, 5), "CUDA device 5 does not exist"),
+        ((2, 1.7), "two integers"),
+        ("21", "two integers"),
+        ((2,), "two integers"),
+    ],
+)
+def test_a_malformed_or_missing_dlpack_device_is_refused_before_a_capsule(
+    device: object, says: str, stream: str | None
+) -> None:
+    """``__dlpack_device__`` naming a device the backend does not have, or not
+    two integers: InterfaceError naming the producer, before any capsule is
+    taken (a float or a string was read as a device, and a missing device made
+    a scheduler for it, or raised "device 5 does not exist" from deep inside)."""
+    cs.use_backend("sim")
+    inner = sim.asarray(np.ones(4, np.float32))
+
+    class Odd(DLPackOnly):
+        def __dlpack_device__(self) -> Any:
+            return device
+
+    odd = Odd(inner)
+    before = cs._scheduler.schedulers_of(cs.current_backend())
+    with pytest.raises(cs.InterfaceError, match=f"Odd.__dlpack_device__.*{says}"):
+        cs.consume_blocking(odd, stream=None if stream is None else cs.Stream(), protocol="dlpack")
+    assert odd.calls == []
+    assert cs._scheduler.schedulers_of(cs.current_backend()) == before
+
+
 def test_a_lying_producer_is_refused_and_its_capsule_deleted_by_numpy() -> None:
     """__dlpack_device__ says CUDA, the capsule says CPU: refused, untaken, so
     NumPy's own capsule destructor frees it."""
