@@ -203,13 +203,16 @@ class ArrayView(_ViewSlots):
         """A DLPack capsule of the view (it keeps the view, so its owner, alive).
 
         ``view.stream``, if any, is joined onto the consumer's ``stream`` (the
-        array API standard's values for CUDA; -1: no synchronization). See
+        array API standard's values for CUDA; -1: no synchronization); for a
+        view of a tracked array (``consume(t, stream=s)``), that array's
+        pending writes, and the consumer's read counts for it. See
         :meth:`TrackedArray.__dlpack__ <cai_streams.TrackedArray.__dlpack__>`
         for the other arguments. Only enqueues GPU work.
         """
         from ._backend import current_backend
         from ._device import device_of
         from ._dlpack_export import export_view
+        from ._tracked import dlpack_join
 
         backend = current_backend()
         device = device_of(backend, self)
@@ -222,6 +225,7 @@ class ArrayView(_ViewSlots):
             max_version=max_version,
             dl_device=dl_device,
             copy=copy,
+            join=dlpack_join(self, backend),
         )
 
     def __dlpack_device__(self) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 
@@ -25,7 +25,7 @@ from ._dlpack_import import cuda_device_of, has_dlpack
 from ._errors import InterfaceError
 from ._hold_table import tick as release_holds
 from ._identity import stream_id_now
-from ._interface import ArrayView, parse
+from ._interface import ArrayView, byte_range, parse
 from ._pending import PendingWork
 from ._scheduler import export_stream_of, find_work, scheduler_for
 from ._stream import Stream, as_stream
@@ -157,7 +157,7 @@ class TrackedArray:
             max_version=max_version,
             dl_device=dl_device,
             copy=copy,
-            join=lambda s: _sync_handoff(lambda me: work.try_export(s, me), "__dlpack__()"),
+            join=dlpack_join(self, work.backend),
         )
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -288,14 +288,38 @@ def track(obj: object, stream: object = None) -> TrackedArray:
 
 
 def lookup(obj: object, backend: Backend) -> tuple[PendingWork, ArrayView] | None:
-    """The pending work of ``obj`` (or of a TrackedArray) and its view, if tracked."""
+    """The pending work of ``obj`` (or of a TrackedArray) and its view, if
+    tracked. A view whose owner is tracked, within the owner's memory (what
+    ``consume(t, stream=s)`` returns, handed on to another consumer), is that
+    owner's: its next consumer is ordered after the pending writes, and its
+    read counts, so the owner's next ``writing()`` waits for it too."""
     if isinstance(obj, TrackedArray):
         release_holds()  # as find_work does: a bounded step
         return obj._work, obj.view
     work = find_work(backend, obj)
-    if work is None:
+    if work is not None:
+        return work, work.layout._with_owner(obj)
+    if type(obj) is ArrayView and obj.owner is not None:
+        work = find_work(backend, obj.owner)
+        if work is not None and _within(byte_range(obj), byte_range(work.layout)):
+            return work, obj
+    return None
+
+
+def _within(inner: tuple[int, int], outer: tuple[int, int]) -> bool:
+    return inner[0] == inner[1] or outer[0] <= inner[0] <= inner[1] <= outer[1]
+
+
+def dlpack_join(obj: object, backend: Backend) -> Callable[[Stream], None] | None:
+    """For ``obj.__dlpack__``: the join of ``obj``'s tracked pending writes
+    onto the consumer's stream (adding the consumer's read), if ``obj`` is
+    tracked or a view of a tracked array; None otherwise (its own
+    interface's stream is joined then). Only bookkeeping until called."""
+    found = lookup(obj, backend)
+    if found is None:
         return None
-    return work, work.layout._with_owner(obj)
+    work = found[0]
+    return lambda s: _sync_handoff(lambda me: work.try_export(s, me), "__dlpack__()")
 
 
 def _device_holding(backend: Backend, view: ArrayView, obj: object) -> int:

@@ -150,17 +150,23 @@ class SimArray:
     ) -> Any:
         """A DLPack capsule (device type 2, kDLCUDA, on the simulated device);
         like a Numba array's, ``self.stream`` is joined onto the consumer's
-        ``stream`` (the array API standard's values; -1: no synchronization).
-        Only enqueues simulated work."""
+        ``stream`` (the array API standard's values; -1: no synchronization),
+        or, for an array tracked with :func:`cai_streams.track`, its pending
+        writes, as the TrackedArray's ``__dlpack__`` does. Only enqueues
+        simulated work."""
+        from ._tracked import dlpack_join  # (tracked state sits above the simulator)
+
+        backend = _simulator()
         return export_view(
             parse(self),
-            _simulator(),
+            backend,
             self._device,
             self,
             stream=stream,
             max_version=max_version,
             dl_device=dl_device,
             copy=copy,
+            join=dlpack_join(self, backend),
         )
 
     def __dlpack_device__(self) -> tuple[int, int]:

@@ -205,6 +205,72 @@ def _the_next_write_waits_for_the_read(
     assert (ops.to_host(out) == 1).all() and (ops.to_host(t.array) == 2).all()
 
 
+@pytest.mark.parametrize("hand_on", ["consume", "export", "__dlpack__"])
+def test_a_view_of_a_tracked_array_handed_on_protects_its_next_consumer_too(
+    sim_backend: cs.Backend, hand_on: str
+) -> None:
+    """The view ``consume(t, stream=s)`` returns, handed on by the library to
+    a second consumer ``c`` (``consume``, ``export`` or ``__dlpack__`` of the
+    view): ``c`` counts as a reader of ``t``, so ``t``'s next ``writing()``
+    waits for it. The view was taken for an untracked array, and the write
+    overwrote what ``c`` was about to read. Control: a consumer that reads the
+    memory without a handoff (latched the same way) sees the new data."""
+    ops = SimOps()
+    t = cs.track(ops.array(np.ones(64, np.float32)))
+    s, c, w, bypass = cs.Stream(), cs.Stream(), cs.Stream(), cs.Stream()
+    view = cs.consume_blocking(t, stream=s)
+    out, stale = ops.array(np.zeros(64, np.float32)), ops.array(np.zeros(64, np.float32))
+    latch, latch2 = ops.latch(c), ops.latch(bypass)  # both consumers are slow
+    if hand_on == "consume":
+        src = cs.consume_blocking(view, stream=c)
+    elif hand_on == "export":
+        cs.export(view, stream=c)
+        src = view
+    else:
+        view.__dlpack__(stream=c.handle)
+        src = view
+    with cs.sanitize(False):  # the control races on purpose
+        ops.copy(c, out, src)
+        ops.copy(bypass, stale, view.with_stream(None))
+        with t.writing(w):
+            ops.fill(w, t.array, 9.0)
+        assert _held(w)  # the write waits for c's read
+        latch.release()
+        w.synchronize()
+        latch2.release()  # the write did not wait for the undeclared reader
+        bypass.synchronize()
+    c.synchronize()
+    np.testing.assert_array_equal(_values(out), 1.0)
+    np.testing.assert_array_equal(_values(stale), 9.0)  # the control read the new data
+
+
+def test_a_tracked_sim_arrays_own_dlpack_joins_its_tracked_writes(sim_backend: cs.Backend) -> None:
+    """``arr.__dlpack__(stream=c)`` of a SimArray tracked with ``cs.track``
+    (what ``cupy.from_dlpack(arr)`` calls) orders ``c`` after the writes
+    tracked through ``writing()``, as the TrackedArray's own does: it joined
+    only ``arr.stream`` (None), and the consumer read before the write ran.
+    Control: ``stream=-1`` (no synchronization, by request) reads too early."""
+    ops = SimOps()
+    arr = ops.array(np.zeros(64, np.float32))
+    t = cs.track(arr)
+    p, c, early = cs.Stream(), cs.Stream(), cs.Stream()
+    latch = ops.latch(p)
+    with t.writing(p):
+        ops.fill(p, arr, 5.0)
+    out, control = ops.array(np.zeros(64, np.float32)), ops.array(np.zeros(64, np.float32))
+    arr.__dlpack__(stream=c.handle)
+    arr.__dlpack__(stream=-1)
+    with cs.sanitize(False):  # the control races on purpose
+        ops.copy(c, out, arr)
+        ops.copy(early, control, arr)
+        assert _held(c)
+        early.synchronize()
+        latch.release()
+    c.synchronize()
+    np.testing.assert_array_equal(_values(out), 5.0)
+    np.testing.assert_array_equal(_values(control), 0.0)
+
+
 @pytest.mark.parametrize("how", ["consume(stream=)", "export(stream=)"])
 async def test_closing_the_consumers_stream_keeps_the_producer_working(
     ops: DeviceOps, how: str
