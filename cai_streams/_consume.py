@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -311,6 +312,15 @@ class _UntrackedHost(_Handoff):
                     self.pool.release(event, self.view)
 
 
+class _Edge(enum.Enum):
+    """Where the back-edge of an untracked ``consuming()`` body stands."""
+
+    #: not made yet: at the body's exit, or when its stream closes first
+    DUE = "due"
+    #: made (or not to be made: the block never began)
+    DONE = "done"
+
+
 class _UntrackedEnqueue(_Handoff):
     mode = Mode.UNTRACKED_ENQUEUE
     to_stream = True
@@ -319,6 +329,11 @@ class _UntrackedEnqueue(_Handoff):
         super().__init__(sched, view, stream)
         assert view.stream is not None
         self.producer: int = view.stream  # the view's own stream is replaced by begin()
+        self.edge = _Edge.DONE
+        #: the consumer's stream as the body's back-edge records on it (a
+        #: borrowed wrapper's close must not end it first: ``Stream._kept``)
+        self._edge_stream: Stream | None = None
+        self._edge_lock = threading.Lock()  # (a flag flip: bookkeeping only)
 
     def begin(self, me: Owner) -> Blocked | None:
         s, producer = self.stream, self.producer
@@ -330,13 +345,40 @@ class _UntrackedEnqueue(_Handoff):
             )
         self.view = self.view.with_stream(s.handle)
         self._declare_stream_read(s)
+        if self.blocking and key != mine:  # a consuming() body: its back-edge is due
+            self._edge_stream = s._kept()
+            self.edge = _Edge.DUE
+            lifetime = s._lifetime
+            if lifetime is not None and not lifetime.listen(self):
+                self.stream_closing()  # closing already, in another thread
         return None
 
+    def stream_closing(self) -> None:
+        """The consumer's stream is about to close, its body still open (any
+        thread): make the back-edge now, while the stream exists; it covers
+        what the body enqueued so far, all it can (nothing runs on a closed
+        stream after). The exit makes none."""
+        if self._take_edge():
+            self._join_back()
+
     def back_edge(self) -> None:
-        s = self.stream
+        """At the body's exit: the producer's stream waits for what the body
+        enqueued on the consumer's stream. Only enqueues GPU work."""
+        s = self._edge_stream
+        if s is not None and s._lifetime is not None:
+            s._lifetime.forget(self)
+        if self._take_edge():
+            self._join_back()
+
+    def _take_edge(self) -> bool:
+        with self._edge_lock:
+            due, self.edge = self.edge is _Edge.DUE, _Edge.DONE
+        return due
+
+    def _join_back(self) -> None:
+        s = self._edge_stream
         assert s is not None
-        if stream_id_now(self.sched.backend, self.producer) != s._key():
-            self.sched.join(self.producer, s._key(), keepalive=self.view, what="consuming() exit")
+        self.sched.join(self.producer, s._key(), keepalive=self.view, what="consuming() exit")
 
 
 class _UntrackedOptOut(_Handoff):
@@ -738,6 +780,8 @@ async def consuming(
         lease = _keep_owner(handoff, block=True)
         yield handoff.view
     finally:
-        handoff.back_edge()
-        if handoff.stream is not None and handoff.to_stream:
-            view_done(handoff.view, handoff.stream, lease)
+        try:
+            handoff.back_edge()
+        finally:  # (the owner's hold, whatever the back-edge met)
+            if handoff.stream is not None and handoff.to_stream:
+                view_done(handoff.view, handoff.stream, lease)

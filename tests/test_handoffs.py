@@ -559,6 +559,55 @@ async def test_a_consuming_body_whose_stream_closes_in_it_is_waited_for_by_the_n
     _the_next_write_waits_for_the_read(ops, t, w, latch, done, out)
 
 
+@pytest.mark.parametrize("reused", [False, True], ids=["handle gone", "handle reused"])
+@pytest.mark.parametrize("body", ["consuming()", "consume (the control)"])
+async def test_an_untracked_consuming_body_whose_stream_closes_in_it_keeps_its_back_edge(
+    sim_backend: cs.Backend, reused: bool, body: str
+) -> None:
+    """``consuming()`` of an untracked producer (its interface names its own
+    stream ``p``): the body copies the array on ``c`` (held) and closes ``c``.
+    The back-edge is made at the close, while ``c`` exists, so ``p``'s next
+    write waits for the copy. It was made at the exit, on the closed handle:
+    a CudaError out of ``async with``, or, when a new stream had taken the
+    handle, a wait on that one, and the write overwrote what the copy was
+    about to read. Control: a plain ``consume`` (no back-edge promised)."""
+    ops = SimOps()
+    p, c = cs.Stream(), cs.Stream()
+    arr = ops.array(np.ones(64, np.float32))
+    arr.stream = p.handle
+    out = ops.array(np.zeros(64, np.float32))
+    latch = ops.latch(c)
+    taker = None
+    try:
+        with cs.sanitize(body == "consuming()"):  # (the control races on purpose)
+            if body == "consuming()":
+                async with cs.consuming(arr, stream=c, timeout=5) as view:
+                    ops.copy(c, out, view)
+                    done = c.record()
+                    c.close()
+                    taker = cs.Stream() if reused else None
+            else:
+                view = await cs.consume(arr, stream=c, timeout=5)
+                ops.copy(c, out, view)
+                done = c.record()
+                c.close()
+                taker = cs.Stream() if reused else None
+            ops.fill(p, arr, 5.0)  # the producer's next write
+            held = _held(p)
+    finally:
+        latch.release()
+    p.synchronize()
+    done.synchronize()
+    if taker is not None:
+        assert taker.handle == c._handle  # (the sim gives a closed handle out again)
+    if body == "consuming()":
+        assert held
+        np.testing.assert_array_equal(_values(out), 1.0)
+    else:
+        assert not held
+        np.testing.assert_array_equal(_values(out), 5.0)
+
+
 async def test_a_consuming_body_and_a_block_inside_it_on_a_stream_that_closes_leak_nothing(
     sim_backend: cs.Backend,
 ) -> None:
