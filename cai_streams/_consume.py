@@ -64,6 +64,7 @@ from ._backend import Backend, current_backend
 from ._blocks import Blocked, OpenBlock, Owner, current_owner, wait_block_async, wait_block_sync
 from ._config import settings
 from ._deferred import in_collection, later
+from ._device import view_stream_id
 from ._dlpack_import import (
     Protocol,
     Unread,
@@ -75,7 +76,7 @@ from ._dlpack_import import (
 from ._events import EventPool, Mark, pool_for, record
 from ._hold import ViewLease, hold_view_owner, view_done
 from ._hold_table import tick as release_holds
-from ._identity import stream_id_now
+from ._identity import StreamId
 from ._interface import ArrayView, byte_range, parse, parse_read
 from ._pending import PendingWork
 from ._poller import check_timeout, wait_blocking, wait_for_events
@@ -247,7 +248,7 @@ class _TrackedEnqueue(_Tracked):
         if isinstance(got, Blocked):
             return got
         self.block = got
-        self.view = self.view.with_stream(self.stream.handle)
+        self.view = self.view._on_stream(self.stream.handle, self.stream._key())
         return None
 
     def finish(self, *, complete: bool) -> None:
@@ -279,10 +280,9 @@ class _UntrackedHost(_Handoff):
     pool: EventPool
 
     def begin(self, me: Owner) -> Blocked | None:
-        backend, producer = self.sched.backend, self.view.stream
-        assert producer is not None
+        backend = self.sched.backend
+        key = view_stream_id(backend, self.view)
         self.view = self.view.with_stream(None)
-        key = stream_id_now(backend, producer)
         if _observe.active:  # (unobserved, the common case: no scope object, no enter/exit)
             with _observe.Scope(self):  # what it finds complete is this handoff's to know
                 idle = _capture_guard.host_wait_idle(backend, key, "consume()")
@@ -328,7 +328,8 @@ class _UntrackedEnqueue(_Handoff):
     def __init__(self, sched: Scheduler, view: ArrayView, stream: Stream | None) -> None:
         super().__init__(sched, view, stream)
         assert view.stream is not None
-        self.producer: int = view.stream  # the view's own stream is replaced by begin()
+        #: the producer's stream: the view's own, replaced by begin()
+        self.producer: StreamId | None = None
         self.edge = _Edge.DONE
         #: the consumer's stream as the body's back-edge records on it (a
         #: borrowed wrapper's close must not end it first: ``Stream._kept``)
@@ -336,14 +337,15 @@ class _UntrackedEnqueue(_Handoff):
         self._edge_lock = threading.Lock()  # (a flag flip: bookkeeping only)
 
     def begin(self, me: Owner) -> Blocked | None:
-        s, producer = self.stream, self.producer
+        s = self.stream
         assert s is not None
-        key, mine = stream_id_now(self.sched.backend, producer), s._key()
+        key, mine = view_stream_id(self.sched.backend, self.view), s._key()
+        self.producer = key
         if key != mine:
             self.sched.join(
                 s.handle, key, keepalive=self.view, what="consume(stream=s)", waiter_id=mine
             )
-        self.view = self.view.with_stream(s.handle)
+        self.view = self.view._on_stream(s.handle, mine)
         self._declare_stream_read(s)
         if self.blocking and key != mine:  # a consuming() body: its back-edge is due
             self._edge_stream = s._kept()
@@ -376,9 +378,15 @@ class _UntrackedEnqueue(_Handoff):
         return due
 
     def _join_back(self) -> None:
-        s = self._edge_stream
-        assert s is not None
-        self.sched.join(self.producer, s._key(), keepalive=self.view, what="consuming() exit")
+        s, producer = self._edge_stream, self.producer
+        assert s is not None and producer is not None
+        self.sched.join(
+            producer.handle,
+            s._key(),
+            keepalive=self.view,
+            what="consuming() exit",
+            waiter_id=producer,
+        )
 
 
 class _UntrackedOptOut(_Handoff):
@@ -391,7 +399,7 @@ class _Ready(_Handoff):
 
     def begin(self, me: Owner) -> Blocked | None:
         if self.stream is not None:
-            self.view = self.view.with_stream(self.stream.handle)
+            self.view = self.view._on_stream(self.stream.handle, self.stream._key())
             self._declare_stream_read(self.stream)
         return None
 
@@ -414,6 +422,7 @@ class _DLPackEnqueue(_Handoff):
 
     def begin(self, me: Owner) -> Blocked | None:
         assert self.stream is not None
+        self.view = self.view._on_stream(self.stream.handle, self.stream._key())
         self._declare_stream_read(self.stream)
         return None
 

@@ -11,11 +11,20 @@ import operator
 from typing import TYPE_CHECKING
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
+from ._identity import StreamId, is_open, stream_id_now, thread_serial
 
 if TYPE_CHECKING:
     from ._interface import ArrayView
 
-__all__ = ["OnDevice", "current_device", "device_count", "device_of", "make_current", "set_device"]
+__all__ = [
+    "OnDevice",
+    "current_device",
+    "device_count",
+    "device_of",
+    "make_current",
+    "set_device",
+    "view_stream_id",
+]
 
 
 def device_count() -> int:
@@ -88,3 +97,35 @@ def make_current(backend: Backend, device: int) -> int | None:
         return None
     backend.set_device(device)
     return now
+
+
+def view_stream_id(backend: Backend, view: ArrayView) -> StreamId:
+    """The stream ``view.stream`` names, for work the calling thread enqueues
+    now (``view.stream`` is not None). A stream the library handed the view
+    to keeps its identity: another thread's handle 2 is that thread's stream
+    (the legacy stream stands for it from here: it waits for every blocking
+    stream), another device's 1 or 2 that device's; a stream closed since
+    raises ValueError (its handle may name another stream now). Handles 1 and
+    2 read from an interface are the default streams of the array's device.
+    Does not block."""
+    handle = view.stream
+    assert handle is not None
+    key: StreamId | None = view._stream_key
+    if key is None or key.handle != handle:
+        if handle in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM):
+            now = stream_id_now(backend, handle)
+            device = device_of(backend, view)
+            if device == now.device:
+                return now
+            return StreamId(backend, device, handle, 0, now.thread)
+        return stream_id_now(backend, handle)
+    if key.generation and not is_open(key):
+        raise ValueError(
+            f"this view names stream {handle:#x}, which was closed after the view was "
+            "handed to it: its work can no longer be waited for by that handle (a new "
+            "stream may have it now). Hand on what the view came from (view.owner), "
+            "or synchronize before closing the stream"
+        )
+    if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
+        return StreamId(backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0)
+    return key

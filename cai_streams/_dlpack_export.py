@@ -35,7 +35,7 @@ from typing import Any, Final
 from . import _dlpack
 from ._backend import Backend
 from ._deferred import as_finalizer
-from ._identity import stream_id_now
+from ._device import view_stream_id
 from ._interface import ArrayView
 from ._scheduler import scheduler_for
 from ._stream import Stream, as_stream
@@ -298,7 +298,7 @@ def export_view(
             join(consumer)
         elif view.stream is not None:
             sched = scheduler_for(backend, device)
-            producer = stream_id_now(backend, view.stream)
+            producer = view_stream_id(backend, view)
             if producer != consumer._key():
                 sched.join(consumer.handle, producer, keepalive=consumer, what="__dlpack__()")
                 sched.counters.add(joins=1)

@@ -10,8 +10,9 @@ from collections.abc import Callable, Hashable
 from typing import Final, NamedTuple, TypeVar
 
 from . import _capture_guard
-from ._backend import Backend
+from ._backend import PER_THREAD_DEFAULT_STREAM, Backend
 from ._capture_guard import StreamPhase
+from ._device import OnDevice
 from ._errors import CudaError, CudaWarning
 from ._identity import StreamId
 
@@ -64,7 +65,11 @@ def record_asked(backend: Backend, event: int, key: StreamId, state: bool | None
     backend call since (so that another thread's capture beginning or ending
     in between has the same narrow window as in :func:`record`). Only enqueues."""
     with _record_lock:
-        backend.record(event, key.handle)
+        if key.handle <= PER_THREAD_DEFAULT_STREAM:  # (1, 2: the current device's streams)
+            with OnDevice(backend, key.device, key.handle):
+                backend.record(event, key.handle)
+        else:
+            backend.record(event, key.handle)
         seq = next(_order)
     return Mark(key, seq, state is True)
 

@@ -73,12 +73,13 @@ def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: 
 
 class _ViewSlots:
     """The storage of an :class:`ArrayView`: plain slots, so that filling in a
-    new view is fourteen specialized stores (see :func:`_make`)."""
+    new view is fifteen specialized stores (see :func:`_make`)."""
 
     __slots__ = (
         "__weakref__",
         "_cai",
         "_leases",
+        "_stream_key",
         "dtype",
         "mask",
         "nbytes",
@@ -110,6 +111,12 @@ class _ViewSlots:
     #: (a list once there is one); a view made from it with ``with_stream``
     #: joins each still counting it
     _leases: tuple[()] | list[Any]
+    #: the identity (``_identity.StreamId``) of ``stream`` when the library
+    #: handed the view to a stream it knows: handed on later, the view names
+    #: that stream, not whichever the handle names then (another thread's
+    #: handle 2, another device's 1, a new stream given a closed one's handle);
+    #: None for a handle read from an interface or given to ``with_stream``
+    _stream_key: Any
 
 
 class ArrayView(_ViewSlots):
@@ -156,7 +163,22 @@ class ArrayView(_ViewSlots):
         """The same view keeping ``owner`` alive instead (None: nothing)."""
         if owner is self.owner:
             return self
-        return self._replace(self.stream, owner)
+        view = self._replace(self.stream, owner)
+        _set_stream_key(view, self._stream_key)
+        return view
+
+    def _on_stream(self, handle: int, key: Any) -> ArrayView:
+        """``with_stream(handle)`` for a stream the library knows, whose
+        identity (``key``, a ``StreamId``) the view keeps. Only bookkeeping."""
+        if self.stream == handle and self._stream_key == key:
+            return self
+        view = self._replace(handle, self.owner)
+        _set_stream_key(view, key)
+        if self._leases:
+            from ._hold import join_leases
+
+            join_leases(self, view)
+        return view
 
     def _replace(self, stream: int | None, owner: object) -> ArrayView:
         return _make(
@@ -267,6 +289,7 @@ class ArrayView(_ViewSlots):
 
 _set_cai = _ViewSlots.__dict__["_cai"].__set__  # the cached export, once made
 _set_leases = _ViewSlots.__dict__["_leases"].__set__  # (``_hold``, under its lock)
+_set_stream_key = _ViewSlots.__dict__["_stream_key"].__set__
 
 
 class _Filling(_ViewSlots):
@@ -306,6 +329,7 @@ def _make(
     view.owner = owner
     view._cai = None
     view._leases = ()
+    view._stream_key = None
     view.__class__ = ArrayView  # type: ignore[assignment]
     return view  # type: ignore[return-value]
 

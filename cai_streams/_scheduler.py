@@ -18,13 +18,14 @@ from typing import Final
 
 from . import _capture_guard, _observe
 from ._access import Counters
-from ._backend import Backend, current_backend
+from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
+from ._device import OnDevice
 from ._doorbell import stats as doorbell_stats
 from ._errors import CaptureError, CudaError
 from ._events import pool_for, pools_of, record_asked, registered
 from ._hold_table import table as holds
 from ._hold_table import tick as release_holds
-from ._identity import StreamId, stream_id_now
+from ._identity import StreamId, stream_id_now, thread_serial
 from ._interface import ArrayView, byte_range
 from ._pending import PendingWork
 from ._poller import counters as poll_counters
@@ -94,7 +95,14 @@ class Scheduler:
             ):
                 return
             mark = record_asked(backend, event, producer, state)
-            backend.stream_wait_event(waiter, event)  # legal across devices
+            if waiter_id.handle <= PER_THREAD_DEFAULT_STREAM:  # a default stream: its
+                on = waiter_id  # device's; another thread's handle 2 waits through
+                if on.handle == PER_THREAD_DEFAULT_STREAM and on.thread != thread_serial():
+                    on = StreamId(backend, on.device, LEGACY_DEFAULT_STREAM, 0, 0)  # the legacy
+                with OnDevice(backend, on.device, on.handle):  # stream, whose work it waits for
+                    backend.stream_wait_event(on.handle, event)
+            else:
+                backend.stream_wait_event(waiter, event)  # legal across devices
         finally:
             if mark is None:  # never recorded: it is as complete as it was handed out
                 pool.unacquire(event)

@@ -19,12 +19,11 @@ from ._access import Kind
 from ._backend import Backend, current_backend
 from ._blocks import Blocked, Owner, current_owner, wait_block_sync
 from ._config import settings
-from ._device import device_of
+from ._device import device_of, view_stream_id
 from ._dlpack_export import export_view
 from ._dlpack_import import cuda_device_of, has_dlpack
 from ._errors import InterfaceError
 from ._hold_table import tick as release_holds
-from ._identity import stream_id_now
 from ._interface import ArrayView, byte_range, parse
 from ._pending import PendingWork
 from ._scheduler import export_stream_of, find_work, scheduler_for
@@ -356,7 +355,7 @@ def export(obj: object, *, stream: object = None) -> dict[str, Any]:
     sched = scheduler_for(backend, device_of(backend, view))  # the array's device
     x = sched.export_stream if stream is None else as_stream(stream, backend)
     sched.counters.add(exports=1)
-    producer = stream_id_now(backend, view.stream)
+    producer = view_stream_id(backend, view)
     if producer != x._key():
         sched.join(x.handle, producer, keepalive=x, what="export()")
         sched.counters.add(joins=1)

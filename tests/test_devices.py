@@ -54,6 +54,19 @@ class Reporting:
         return view.with_stream(self.stream.handle).__cuda_array_interface__
 
 
+class Naming:
+    """An untracked producer whose interface names a bare handle (1 or 2: the
+    default streams of the device that was current where it wrote)."""
+
+    def __init__(self, arr: Any, handle: int) -> None:
+        self.arr = arr
+        self.handle = handle
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return cs.read_interface(self.arr).with_stream(self.handle).__cuda_array_interface__
+
+
 def _settled(*streams: cs.Stream) -> int:
     for s in streams:
         s.synchronize()
@@ -212,6 +225,107 @@ def test_a_consumer_on_device_0_waits_for_a_producer_on_device_1(
     expected = 7.0 if sync else 0.0  # the control copies before the producer wrote
     np.testing.assert_array_equal(ops.to_host(out), expected)
     assert _settled(producer, consumer) == base
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["synced", "control-unsynced"])
+@pytest.mark.parametrize("handle", [1, 2])
+def test_an_interface_naming_device_1s_default_stream_is_waited_for_there_from_device_0(
+    ops: DeviceOps, handle: int, sync: bool
+) -> None:
+    """An untracked array on device 1 whose interface names stream 1 or 2
+    (device 1's default streams, where its producer wrote) is consumed while
+    device 0 is current: the consumer waits for device 1's stream. The handle
+    was taken for device 0's, which has nothing pending, so the consumer read
+    before the write. Control: ``sync=False`` reads early."""
+    with on_device(1):
+        arr = ops.array(np.zeros(N, np.float32))
+        default = cs.Stream.wrap(handle)
+        latch = ops.latch(default)
+        ops.fill(default, arr, 7.0)
+    out = ops.array(np.full(N, -1.0, np.float32))  # device 0
+    consumer = cs.Stream(device=0)
+    try:
+        with cs.sanitize(sync):  # the control races on purpose
+            got = cs.consume_blocking(Naming(arr, handle), stream=consumer, sync=sync)
+            ops.copy(consumer, out, got)
+            held = not _done_soon(consumer)
+    finally:
+        latch.release()
+    with on_device(1):
+        cs.Stream.wrap(handle).synchronize()
+    consumer.synchronize()
+    assert held is sync
+    np.testing.assert_array_equal(ops.to_host(out), 7.0 if sync else 0.0)
+
+
+def test_a_view_handed_to_device_1s_legacy_stream_is_waited_for_from_device_0(
+    ops: DeviceOps,
+) -> None:
+    """``consume(obj, stream=Stream.wrap(1))`` with device 1 current hands the
+    view to device 1's legacy stream; handed on with device 0 current, the
+    view still names device 1's (it named device 0's, which had nothing
+    pending, and the next consumer read before the producer's write)."""
+    producer = cs.Stream(device=1)
+    with on_device(1):
+        arr = ops.array(np.zeros(N, np.float32))
+        latch = ops.latch(producer)
+        ops.fill(producer, arr, 7.0)
+        view = cs.consume_blocking(Reporting(arr, producer), stream=cs.Stream.wrap(1))
+    assert view.stream == 1
+    out = ops.array(np.full(N, -1.0, np.float32))
+    consumer = cs.Stream(device=0)
+    try:
+        got = cs.consume_blocking(view, stream=consumer)
+        ops.copy(consumer, out, got)
+        held = not _done_soon(consumer)
+    finally:
+        latch.release()
+    consumer.synchronize()
+    assert held
+    np.testing.assert_array_equal(ops.to_host(out), 7.0)
+
+
+async def test_a_consuming_body_whose_thread_switches_device_keeps_its_back_edge(
+    ops: DeviceOps,
+) -> None:
+    """``consuming()`` of an untracked array on device 1 whose interface
+    names stream 1 (device 1's legacy stream); another task of this thread
+    makes device 0 current while the body awaits. The back-edge still makes
+    device 1's legacy stream wait for the body's work (it made device 0's
+    wait, and the producer's next write overwrote what the body read)."""
+    with on_device(1):
+        arr = ops.array(np.ones(N, np.float32))
+        legacy = cs.Stream.wrap(1)
+    out = ops.array(np.zeros(N, np.float32))
+    c = cs.Stream(device=1)
+    latch = ops.latch(c)  # the consumer is slow
+    try:
+        with on_device(1):
+            async with cs.consuming(Naming(arr, 1), stream=c, timeout=5) as got:
+                with on_device(1):
+                    ops.copy(c, out, got)
+                cs.set_device(0)  # as another task of this thread may do across an await
+                await anyio.sleep(0.01)
+            with on_device(1):
+                ops.fill(legacy, arr, 9.0)  # the producer writes again on its stream
+                held = not _done_soon(legacy)
+    finally:
+        latch.release()
+    c.synchronize()
+    with on_device(1):
+        legacy.synchronize()
+    assert held
+    np.testing.assert_array_equal(ops.to_host(out), 1.0)
+
+
+def _done_soon(s: cs.Stream) -> bool:
+    """Whether the work so far on ``s`` is done 50 ms later (long enough for
+    work that did not wait for a held stream to have run)."""
+    import time
+
+    event = s.record()
+    time.sleep(0.05)
+    return event.is_done
 
 
 @pytest.mark.parametrize("tracked", [True, False], ids=["tracked", "control-untracked"])

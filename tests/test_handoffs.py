@@ -244,6 +244,69 @@ def test_a_view_of_a_tracked_array_handed_on_protects_its_next_consumer_too(
     np.testing.assert_array_equal(_values(stale), 9.0)  # the control read the new data
 
 
+def test_a_view_handed_to_another_threads_per_thread_stream_is_waited_for_here(
+    sim_backend: cs.Backend,
+) -> None:
+    """Thread A hands an untracked producer's array to its per-thread stream
+    (``stream=2``); the view, handed on in this thread, names A's stream, not
+    this thread's handle 2 (which never waited for the producer: the next
+    consumer read before the write). From here A's stream is waited for
+    through the legacy stream, which waits for it."""
+    ops = SimOps()
+    p, c = cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(64, np.float32))
+    latch = ops.latch(p)
+    ops.fill(p, arr, 7.0)
+    producer = Reporting(arr)
+    producer.stream = p.handle
+    got: list[cs.ArrayView] = []
+    th = threading.Thread(target=lambda: got.append(cs.consume_blocking(producer, stream=2)))
+    th.start()
+    th.join(10)
+    (view,) = got
+    out = ops.array(np.zeros(64, np.float32))
+    try:
+        ops.copy(c, out, cs.consume_blocking(view, stream=c))
+        held = _held(c)
+    finally:
+        latch.release()
+    c.synchronize()
+    assert held
+    np.testing.assert_array_equal(_values(out), 7.0)
+
+
+@pytest.mark.parametrize("reused", [False, True], ids=["handle gone", "handle reused"])
+def test_a_view_whose_stream_closed_since_is_refused_when_handed_on(
+    sim_backend: cs.Backend, reused: bool
+) -> None:
+    """A view handed to ``s`` names ``s``; ``s`` closed, its work cannot be
+    waited for by handle, and a new stream may have the handle: handing the
+    view on raises ValueError saying so (it waited on the new stream, or
+    raised a CudaError for the gone handle), on the host and onto a stream."""
+    ops = SimOps()
+    p, s = cs.Stream(), cs.Stream()
+    arr = ops.array(np.zeros(64, np.float32))
+    latch = ops.latch(p)
+    try:
+        ops.fill(p, arr, 7.0)
+        producer = Reporting(arr)
+        producer.stream = p.handle
+        view = cs.consume_blocking(producer, stream=s)
+        s.close()
+        taker = cs.Stream() if reused else None
+        for stream in (None, cs.Stream()):
+            with pytest.raises(ValueError, match="was closed after the view was handed to it"):
+                cs.consume_blocking(view, stream=stream, timeout=1)
+        with pytest.raises(ValueError, match="was closed after"):
+            cs.export(view, stream=cs.Stream())
+        assert cs.consume_blocking(view.owner, stream=cs.Stream()).stream is not None
+    finally:
+        latch.release()
+    p.synchronize()
+    if taker is not None:
+        taker.close()
+
+
 def test_a_tracked_sim_arrays_own_dlpack_joins_its_tracked_writes(sim_backend: cs.Backend) -> None:
     """``arr.__dlpack__(stream=c)`` of a SimArray tracked with ``cs.track``
     (what ``cupy.from_dlpack(arr)`` calls) orders ``c`` after the writes
