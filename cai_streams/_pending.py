@@ -31,6 +31,7 @@ from ._backend import Backend
 from ._blocks import Blocked, OpenBlock, Owner
 from ._capture_guard import StreamPhase
 from ._config import settings
+from ._device import OnDevice
 from ._identity import Lifetime, StreamId, stream_id_now
 from ._interface import ArrayView, byte_range, stream_of
 from ._stream import Stream
@@ -209,11 +210,13 @@ class PendingWork:
         handle = stream_of(obj)
         if handle is None:
             return None
-        with _observe.Scope(self):  # what it finds complete is this buffer's to know
-            idle = _capture_guard.stream_idle(self.backend, stream_id_now(self.backend, handle))
-        if idle:
-            return None
-        return Stream._borrow(handle, self.backend, None)
+        # (1 and 2: the default streams of the buffer's device, whichever is current)
+        with OnDevice(self.backend, self.device, handle):
+            with _observe.Scope(self):  # what it finds complete is this buffer's to know
+                idle = _capture_guard.stream_idle(self.backend, stream_id_now(self.backend, handle))
+            if idle:
+                return None
+            return Stream._borrow(handle, self.backend, None)
 
     def _note(self, own: Stream | None) -> None:
         """Work the buffer's own interface reported pending, recorded now (a

@@ -318,6 +318,31 @@ async def test_a_consuming_body_whose_thread_switches_device_keeps_its_back_edge
     np.testing.assert_array_equal(ops.to_host(out), 1.0)
 
 
+def test_a_tracked_buffers_own_interface_naming_device_1s_stream_1_is_waited_for_there(
+    ops: DeviceOps,
+) -> None:
+    """A tracked buffer on device 1 whose own interface names stream 1 (work
+    enqueued there after it was tracked) is consumed with device 0 current:
+    the consumer waits for device 1's legacy stream (the handle was asked of
+    device 0's, found idle, and the consumer read before the write)."""
+    with on_device(1):
+        arr = ops.array(np.zeros(N, np.float32))
+        t = cs.track(Naming(arr, 1))  # its interface names device 1's legacy stream
+        legacy = cs.Stream.wrap(1)
+        latch = ops.latch(legacy)
+        ops.fill(legacy, arr, 5.0)
+    out = ops.array(np.zeros(N, np.float32))
+    c = cs.Stream(device=0)
+    try:
+        ops.copy(c, out, cs.consume_blocking(t, stream=c))
+        held = not _done_soon(c)
+    finally:
+        latch.release()
+    c.synchronize()
+    assert held
+    np.testing.assert_array_equal(ops.to_host(out), 5.0)
+
+
 def _done_soon(s: cs.Stream) -> bool:
     """Whether the work so far on ``s`` is done 50 ms later (long enough for
     work that did not wait for a held stream to have run)."""
