@@ -632,20 +632,66 @@ async def _wait_once(
         for event, mark in pending:
             waiter = anyio.Event()
             registered.append((poller.add(backend, event, mark, waiter), waiter))
-        for _, waiter in registered:
-            await waiter.wait()
+        if _one_device(pending):  # a fault there fails every pending event of it
+            for _, waiter in registered:
+                await waiter.wait()
+        else:
+            await _all_or_a_failure(poller, backend, registered, pending)
     finally:
         for entry, waiter in registered:
             if not waiter.is_set():
                 poller.remove(entry, waiter)
     again = []
-    for (entry, _), item in zip(registered, pending, strict=True):
-        if entry.state is _State.ORPHANED:
+    for (entry, waiter), item in zip(registered, pending, strict=True):
+        if not waiter.is_set() or entry.state is _State.ORPHANED:
             again.append(item)
         elif entry.state is _State.FAILED:
             if not _capture_guard.query_event(backend, entry.event):  # may raise
                 again.append(item)
     return again
+
+
+def _one_device(pending: list[tuple[int, Mark | None]]) -> bool:
+    """Whether the events are all of one device (a lone event's is not known)."""
+    if len(pending) == 1:
+        return True
+    devices = set()
+    for _, mark in pending:
+        if mark is None:
+            return False
+        devices.add(mark.key.device)
+    return len(devices) == 1
+
+
+async def _all_or_a_failure(
+    poller: _Poller,
+    backend: Backend,
+    registered: list[tuple[_Entry, anyio.Event]],
+    pending: list[tuple[int, Mark | None]],
+) -> None:
+    """Events of several devices: a fault on one device leaves the others'
+    pending, so waiting for them in turn would hear of it only once the
+    events before it completed (never, behind work that never ends). Wakes
+    at every completion instead (an alarm beside each pending waiter), and
+    returns once all are done or one failed (its error is raised after)."""
+    while True:
+        waiting = []
+        for (entry, waiter), item in zip(registered, pending, strict=True):
+            if not waiter.is_set():
+                waiting.append(item)
+            elif entry.state is _State.FAILED:
+                return
+        if not waiting:
+            return
+        alarm = anyio.Event()
+        added: list[_Entry] = []
+        try:
+            for event, mark in waiting:
+                added.append(poller.add(backend, event, mark, alarm))
+            await alarm.wait()
+        finally:
+            for entry in added:
+                poller.remove(entry, alarm)
 
 
 async def wait_for_event(
@@ -679,16 +725,19 @@ def wait_blocking(
 def _wait_blocking(
     backend: Backend, events: Sequence[int], timeout: float | None, given: float | None
 ) -> None:
-    if timeout is None or math.isinf(timeout):
-        for event in events:
-            backend.synchronize_event(event)
+    forever = timeout is None or math.isinf(timeout)
+    if forever and len(events) == 1:
+        backend.synchronize_event(events[0])
         return
-    deadline = time.monotonic() + timeout
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
     delay = 0.00005
-    for event in events:
-        while not backend.query(event):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"GPU work not complete after {given} s")
-            time.sleep(min(delay, left))
-            delay = min(0.001, delay * 2)
+    pending = list(events)
+    while True:  # each pass asks every pending event: a fault on one device (the
+        pending = [event for event in pending if not backend.query(event)]  # others' still
+        if not pending:  # pending) is heard at once, not after the events before it
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"GPU work not complete after {given} s")
+        time.sleep(min(delay, left))
+        delay = min(0.001, delay * 2)

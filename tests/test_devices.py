@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import cai_streams as cs
+from cai_streams import sim
 
 from .device_ops import DeviceOps
 from .test_conformance_devices import _on_device
@@ -341,6 +342,50 @@ def test_a_tracked_buffers_own_interface_naming_device_1s_stream_1_is_waited_for
     c.synchronize()
     assert held
     np.testing.assert_array_equal(ops.to_host(out), 5.0)
+
+
+@pytest.mark.parametrize("how", ["consume_all", "consume_all, no timeout", "consume_blocking"])
+async def test_a_fault_on_one_device_is_heard_while_another_devices_work_is_pending(
+    ops: DeviceOps, how: str
+) -> None:
+    """A host wait over work of two devices: device 1's kernel fails while
+    device 0's stream is held. The fault is raised at once (it was heard only
+    after device 0's work completed, so a timeout came first, or, with no
+    timeout, nothing until then: each event was waited for in turn, and a
+    fault fails only its own device's)."""
+    if ops.name == "cuda":
+        pytest.skip("a failing kernel would poison the CUDA context for the rest of the run")
+    p0, p1 = cs.Stream(device=0), cs.Stream(device=1)
+    a = ops.array(np.zeros(N, np.float32))
+    with on_device(1):
+        b = ops.array(np.zeros(N, np.float32))
+    t, u = cs.track(a), cs.track(b)
+    busy = ops.latch(p0)  # device 0's writer: held for the whole test
+    try:
+        if how == "consume_blocking":  # one array, a disjoint half written on each device
+            with t.writing(p0, disjoint=True):
+                ops.fill(p0, a[: N // 2], 1.0)
+            with t.writing(p1, disjoint=True):
+                ops.fill(p1, a[N // 2 :], 2.0)
+                ops.fail(p1)
+        else:
+            with t.writing(p0):
+                ops.fill(p0, a, 1.0)
+            with u.writing(p1):
+                ops.fill(p1, b, 2.0)
+                ops.fail(p1)
+        with pytest.raises(cs.KernelError):
+            if how == "consume_blocking":
+                await anyio.to_thread.run_sync(lambda: cs.consume_blocking(t, timeout=30))
+            elif how == "consume_all":
+                await cs.consume_all(t, u, timeout=30)
+            else:
+                with anyio.fail_after(30):  # (the test's own bound: the call has none)
+                    await cs.consume_all(t, u)
+    finally:
+        busy.release()
+        p0.synchronize()
+        sim.reset(1)
 
 
 def _done_soon(s: cs.Stream) -> bool:
