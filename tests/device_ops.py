@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -364,6 +365,16 @@ class _CudaLatch:  # pragma: no cover - runs in the GPU tier only
     def expired(self) -> bool:
         """Whether the kernel gave up waiting (its deadline passed first)."""
         return bool(self._flags[2 * self._slot + 1])
+
+
+def held(stream_or_event: cs.Stream | cs.Event) -> bool:
+    """Whether the work so far is still not done 50 ms later: long enough for
+    work that did not wait for a held stream to have run (a record made just
+    now is not done at once even on an idle stream: asked at once, "not done"
+    would prove nothing)."""
+    event = stream_or_event.record() if isinstance(stream_or_event, cs.Stream) else stream_or_event
+    time.sleep(0.05)
+    return not event.is_done
 
 
 def ops_for(backend_name: str) -> DeviceOps:

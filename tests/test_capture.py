@@ -25,7 +25,7 @@ from cai_streams import _capture_guard, _poller, _tracked, sim
 from cai_streams._capture import GraphState
 from cai_streams._scheduler import scheduler_for
 
-from .device_ops import DeviceOps
+from .device_ops import DeviceOps, held
 from .test_conformance_capture import _code
 
 pytestmark = pytest.mark.anyio
@@ -341,7 +341,7 @@ def test_a_block_captured_after_a_pending_write_on_its_stream_does_not_replace_i
         else:
             c = cs.Stream()
             cs.consume_blocking(t, stream=c)
-            assert not c.record().is_done, "the consumer's stream did not wait for the fill"
+            assert held(c), "the consumer's stream did not wait for the fill"
     finally:
         latch.release()
     view = cs.consume_blocking(t, timeout=10)
@@ -365,7 +365,7 @@ def test_a_read_captured_after_a_pending_read_on_its_stream_does_not_replace_it(
             ops.copy(s, out, arr)  # captured
         with t.writing(w):
             ops.fill(w, arr, 2.0)
-        assert not w.record().is_done, "the writer did not wait for the copy-out"
+        assert held(w), "the writer did not wait for the copy-out"
     finally:
         latch.release()
     w.synchronize()
@@ -399,7 +399,7 @@ def test_a_consumer_read_onto_a_capturing_stream_is_the_graphs_and_each_launch_i
             graph.launch(launch_on)  # the copy, held behind the latch
             with t.writing(w):
                 ops.fill(w, arr, 2.0)
-            assert not w.record().is_done, "the writer did not wait for the launch's read"
+            assert held(w), "the writer did not wait for the launch's read"
         finally:
             latch.release()
         launch_on.synchronize()
@@ -428,7 +428,7 @@ def test_a_read_open_on_a_stream_that_begins_capturing_stays_open_for_its_ordina
             s.wait(side.record())
         with t.writing(w):
             ops.fill(w, arr, 2.0)
-        assert not w.record().is_done, "the writer did not wait for the held copy"
+        assert held(w), "the writer did not wait for the held copy"
     finally:
         latch.release()
     s.synchronize()

@@ -24,7 +24,7 @@ from cai_streams._capture_guard import StreamPhase
 from cai_streams._identity import Lifetime
 from cai_streams._pending import PendingWork
 
-from .device_ops import DeviceOps, consume_returns, consuming_past_the_open_reads
+from .device_ops import DeviceOps, consume_returns, consuming_past_the_open_reads, held
 
 
 @pytest.fixture(autouse=True)
@@ -463,7 +463,7 @@ async def test_a_consuming_body_in_which_a_capture_begins_is_fenced_as_a_block(
         s.end_capture().close()
         with t.writing(w):
             ops.fill(w, arr, 2.0)
-        assert not w.record().is_done, "the writer did not wait for the body's copy"
+        assert held(w), "the writer did not wait for the body's copy"
     finally:
         if latch is not None:
             latch.release()

@@ -23,7 +23,7 @@ import pytest
 import cai_streams as cs
 from cai_streams import sim
 
-from .device_ops import DeviceOps
+from .device_ops import DeviceOps, held
 from .test_conformance_devices import _on_device
 
 pytestmark = pytest.mark.anyio
@@ -179,7 +179,7 @@ def test_a_read_open_on_device_1s_legacy_stream_is_waited_for_from_device_0(
     try:
         with t.writing(w):  # device 0 is current here
             ops.fill(w, arr, 2.0)
-        assert not w.record().is_done, "the write did not wait for the read on device 1"
+        assert held(w), "the write did not wait for the read on device 1"
     finally:
         if capture:
             capturing.end_capture().close()  # (it was not invalidated)
@@ -218,7 +218,7 @@ def test_a_consumer_on_device_0_waits_for_a_producer_on_device_1(
         view = cs.consume_blocking(Reporting(arr, producer), stream=consumer, sync=sync)
         ops.copy(consumer, out, view)
     if sync:
-        assert not consumer.record().is_done  # held behind the producer's latch
+        assert held(consumer)  # held behind the producer's latch
     else:
         consumer.synchronize()  # the control ran without waiting for it
     latch.release()
@@ -249,13 +249,13 @@ def test_an_interface_naming_device_1s_default_stream_is_waited_for_there_from_d
         with cs.sanitize(sync):  # the control races on purpose
             got = cs.consume_blocking(Naming(arr, handle), stream=consumer, sync=sync)
             ops.copy(consumer, out, got)
-            held = not _done_soon(consumer)
+            waited = held(consumer)
     finally:
         latch.release()
     with on_device(1):
         cs.Stream.wrap(handle).synchronize()
     consumer.synchronize()
-    assert held is sync
+    assert waited is sync
     np.testing.assert_array_equal(ops.to_host(out), 7.0 if sync else 0.0)
 
 
@@ -278,11 +278,11 @@ def test_a_view_handed_to_device_1s_legacy_stream_is_waited_for_from_device_0(
     try:
         got = cs.consume_blocking(view, stream=consumer)
         ops.copy(consumer, out, got)
-        held = not _done_soon(consumer)
+        waited = held(consumer)
     finally:
         latch.release()
     consumer.synchronize()
-    assert held
+    assert waited
     np.testing.assert_array_equal(ops.to_host(out), 7.0)
 
 
@@ -309,13 +309,13 @@ async def test_a_consuming_body_whose_thread_switches_device_keeps_its_back_edge
                 await anyio.sleep(0.01)
             with on_device(1):
                 ops.fill(legacy, arr, 9.0)  # the producer writes again on its stream
-                held = not _done_soon(legacy)
+                waited = held(legacy)
     finally:
         latch.release()
     c.synchronize()
     with on_device(1):
         legacy.synchronize()
-    assert held
+    assert waited
     np.testing.assert_array_equal(ops.to_host(out), 1.0)
 
 
@@ -336,11 +336,11 @@ def test_a_tracked_buffers_own_interface_naming_device_1s_stream_1_is_waited_for
     c = cs.Stream(device=0)
     try:
         ops.copy(c, out, cs.consume_blocking(t, stream=c))
-        held = not _done_soon(c)
+        waited = held(c)
     finally:
         latch.release()
     c.synchronize()
-    assert held
+    assert waited
     np.testing.assert_array_equal(ops.to_host(out), 5.0)
 
 
@@ -388,16 +388,6 @@ async def test_a_fault_on_one_device_is_heard_while_another_devices_work_is_pend
         sim.reset(1)
 
 
-def _done_soon(s: cs.Stream) -> bool:
-    """Whether the work so far on ``s`` is done 50 ms later (long enough for
-    work that did not wait for a held stream to have run)."""
-    import time
-
-    event = s.record()
-    time.sleep(0.05)
-    return event.is_done
-
-
 @pytest.mark.parametrize("tracked", [True, False], ids=["tracked", "control-untracked"])
 def test_two_devices_each_fill_half_and_one_consumer_reads_the_whole(
     ops: DeviceOps, tracked: bool
@@ -428,7 +418,7 @@ def test_two_devices_each_fill_half_and_one_consumer_reads_the_whole(
         ops.sum_into(consumer, total, view)
     racy.__exit__(None, None, None)
     if tracked:
-        assert not consumer.record().is_done  # held behind the producers' latches
+        assert held(consumer)  # held behind the producers' latches
     else:
         consumer.synchronize()  # the control ran without waiting for them
     for latch in latches:

@@ -34,6 +34,7 @@ from cai_streams._hold_table import table
 from cai_streams._pending import PendingWork
 
 from .device_ops import DeviceOps, Latch, SimOps, consuming_past_the_open_reads
+from .device_ops import held as _held
 from .model import recycled_stream_handles, until
 
 pytestmark = pytest.mark.anyio
@@ -47,14 +48,6 @@ def sim_backend() -> Iterator[cs.Backend]:
         yield chosen
     finally:
         cs.use_backend(previous.name)
-
-
-def _held(stream_or_event: cs.Stream | cs.Event) -> bool:
-    """Whether the work so far is still not done 50 ms later: long enough for
-    work that did not wait for a held stream to have run."""
-    event = stream_or_event.record() if isinstance(stream_or_event, cs.Stream) else stream_or_event
-    time.sleep(0.05)
-    return not event.is_done
 
 
 def _values(obj: Any) -> np.ndarray[Any, Any]:

@@ -15,7 +15,7 @@ import pytest
 import cai_streams as cs
 from cai_streams import sim
 
-from .device_ops import SimOps
+from .device_ops import SimOps, held
 
 N = 3 * 512
 
@@ -86,7 +86,7 @@ def test_overlapping_writers_are_serialized_by_default() -> None:
         ops.fill(a, t.array, 1.0)
     with t.writing(b):
         ops.fill(b, t.array, 2.0)
-    assert not b.record().is_done
+    assert held(b)
     latch.release()
     b.synchronize()
     np.testing.assert_array_equal(t.array.to_host(stream=b), 2.0)
@@ -403,7 +403,7 @@ def test_tracking_starts_with_the_objects_own_stream_pending() -> None:
     t = cs.track(data, stream=x)
     assert t.pending_streams()["writes"] == [producer.handle]
     assert t.__cuda_array_interface__["stream"] == x.handle
-    assert not x.record().is_done
+    assert held(x)
     latch.release()
 
 
@@ -562,7 +562,7 @@ def test_an_array_whose_export_stream_closed_exports_onto_the_shared_one_after_i
         early = _consumer_sum(t.view.with_stream(None), data, own=other)  # no join: the control
     out = _consumer_sum(t, data, own=other)
     assert t.__cuda_array_interface__["stream"] == shared.handle
-    assert not shared.record().is_done  # the join waits for the latched write
+    assert held(shared)  # the join waits for the latched write
     latch.release()
     assert early.to_host(stream=other)[0] == 0.0
     assert out.to_host(stream=shared)[0] == N
