@@ -360,22 +360,26 @@ class _UntrackedEnqueue(_Handoff):
         thread): make the back-edge now, while the stream exists; it covers
         what the body enqueued so far, all it can (nothing runs on a closed
         stream after). The exit makes none."""
-        if self._take_edge():
-            self._join_back()
+        self._edge_once()
 
     def back_edge(self) -> None:
         """At the body's exit: the producer's stream waits for what the body
         enqueued on the consumer's stream. Only enqueues GPU work."""
-        s = self._edge_stream
-        if s is not None and s._lifetime is not None:
-            s._lifetime.forget(self)
-        if self._take_edge():
-            self._join_back()
+        try:
+            self._edge_once()
+        finally:  # (after: a close meanwhile still calls the listener, which waits)
+            s = self._edge_stream
+            if s is not None and s._lifetime is not None:
+                s._lifetime.forget(self)
 
-    def _take_edge(self) -> bool:
+    def _edge_once(self) -> None:
+        """The back-edge, once, by whichever comes first: the exit or the
+        close. Made under the lock, so a close in another thread waits for the
+        exit's record before it destroys the stream (a record, only enqueued)."""
         with self._edge_lock:
-            due, self.edge = self.edge is _Edge.DUE, _Edge.DONE
-        return due
+            if self.edge is _Edge.DUE:
+                self.edge = _Edge.DONE
+                self._join_back()
 
     def _join_back(self) -> None:
         s, producer = self._edge_stream, self.producer

@@ -11,7 +11,7 @@ import operator
 from typing import TYPE_CHECKING
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
-from ._identity import StreamId, is_open, stream_id_now, thread_serial
+from ._identity import StreamId, is_open, stream_id_now
 
 if TYPE_CHECKING:
     from ._interface import ArrayView
@@ -103,11 +103,11 @@ def view_stream_id(backend: Backend, view: ArrayView) -> StreamId:
     """The stream ``view.stream`` names, for work the calling thread enqueues
     now (``view.stream`` is not None). A stream the library handed the view
     to keeps its identity: another thread's handle 2 is that thread's stream
-    (the legacy stream stands for it from here: it waits for every blocking
-    stream), another device's 1 or 2 that device's; a stream closed since
-    raises ValueError (its handle may name another stream now). Handles 1 and
-    2 read from an interface are the default streams of the array's device.
-    Does not block."""
+    (a record for it is made on the legacy stream, which waits for it:
+    ``_events.record_asked``), another device's 1 or 2 that device's; a
+    stream closed since raises ValueError (its handle may name another
+    stream now). Handles 1 and 2 read from an interface are the default
+    streams of the array's device. Does not block."""
     handle = view.stream
     assert handle is not None
     key: StreamId | None = view._stream_key
@@ -123,9 +123,7 @@ def view_stream_id(backend: Backend, view: ArrayView) -> StreamId:
         raise ValueError(
             f"this view names stream {handle:#x}, which was closed after the view was "
             "handed to it: its work can no longer be waited for by that handle (a new "
-            "stream may have it now). Hand on what the view came from (view.owner), "
-            "or synchronize before closing the stream"
+            "stream may have it now). Hand on what the view came from (view.owner), or "
+            "hand the view on before closing its stream"
         )
-    if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
-        return StreamId(backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0)
     return key

@@ -10,11 +10,11 @@ from collections.abc import Callable, Hashable
 from typing import Final, NamedTuple, TypeVar
 
 from . import _capture_guard
-from ._backend import PER_THREAD_DEFAULT_STREAM, Backend
+from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
 from ._capture_guard import StreamPhase
 from ._device import OnDevice
 from ._errors import CudaError, CudaWarning
-from ._identity import StreamId
+from ._identity import StreamId, thread_serial
 
 __all__ = [
     "EventPool",
@@ -64,6 +64,10 @@ def record_asked(backend: Backend, event: int, key: StreamId, state: bool | None
     :func:`~cai_streams._capture_guard.capturing` says of ``key``, with no
     backend call since (so that another thread's capture beginning or ending
     in between has the same narrow window as in :func:`record`). Only enqueues."""
+    if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
+        # another thread's per-thread stream cannot be named from here; the
+        # legacy stream waits for it (a blocking stream): the event is that one's
+        key = StreamId(key.backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0)
     with _record_lock:
         if key.handle <= PER_THREAD_DEFAULT_STREAM:  # (1, 2: the current device's streams)
             with OnDevice(backend, key.device, key.handle):

@@ -218,6 +218,16 @@ class PendingWork:
                 return None
             return Stream._borrow(handle, self.backend, None)
 
+    def note_stream(self, key: StreamId) -> None:
+        """Work enqueued on ``key``'s stream so far may have written the buffer
+        (a view of it was handed there, and is handed on now): recorded now, as
+        a pending write, so the next consumer and the next writer wait for it.
+        Only enqueues GPU work (one record)."""
+        stream = Stream._borrow_key(key, self.backend)
+        access = Access.recorded(self, Kind.WRITE, stream, key)
+        with self._locked():
+            self._add(access)
+
     def _note(self, own: Stream | None) -> None:
         """Work the buffer's own interface reported pending, recorded now (a
         bare handle may be gone, or another thread's, by a later record); and

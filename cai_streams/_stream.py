@@ -194,6 +194,21 @@ class Stream:
         self._lifetime = None if key.generation == 0 else lifetime_of(backend, handle)
         return self
 
+    @classmethod
+    def _borrow_key(cls, key: StreamId, backend: Backend) -> Stream:
+        """A borrowed wrapper of the stream ``key`` names, with that identity
+        as given (another thread's handle 2, another device's 1), keeping
+        nothing alive: for a record made on it now."""
+        self = cls.__new__(cls)
+        self._backend = backend
+        self._handle = key.handle
+        self._owned = False
+        self._closed = False
+        self._keepalive = None
+        self._id = key
+        self._lifetime = None if key.generation == 0 else lifetime_of(backend, key.handle)
+        return self
+
     def _borrowed(self, keepalive: object) -> Stream:
         """A borrowed wrapper of this very stream (same identity)."""
         self.handle  # noqa: B018 - a closed stream cannot be borrowed

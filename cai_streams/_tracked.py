@@ -291,7 +291,10 @@ def lookup(obj: object, backend: Backend) -> tuple[PendingWork, ArrayView] | Non
     tracked. A view whose owner is tracked, within the owner's memory (what
     ``consume(t, stream=s)`` returns, handed on to another consumer), is that
     owner's: its next consumer is ordered after the pending writes, and its
-    read counts, so the owner's next ``writing()`` waits for it too."""
+    read counts, so the owner's next ``writing()`` waits for it too. The
+    view's own stream is noted as pending on the owner (recorded now), as
+    the owner's own interface stream is at every access: the first consumer
+    may have written the view there. ValueError if that stream was closed."""
     if isinstance(obj, TrackedArray):
         release_holds()  # as find_work does: a bounded step
         return obj._work, obj.view
@@ -301,6 +304,8 @@ def lookup(obj: object, backend: Backend) -> tuple[PendingWork, ArrayView] | Non
     if type(obj) is ArrayView and obj.owner is not None:
         work = find_work(backend, obj.owner)
         if work is not None and _within(byte_range(obj), byte_range(work.layout)):
+            if obj.stream is not None:  # where the view says its data is ready: its
+                work.note_stream(view_stream_id(backend, obj))  # consumer may have written
             return work, obj
     return None
 

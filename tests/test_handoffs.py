@@ -300,6 +300,131 @@ def test_a_view_whose_stream_closed_since_is_refused_when_handed_on(
         taker.close()
 
 
+@pytest.mark.parametrize("hand_on", ["to a stream", "to the host"])
+def test_a_view_of_a_tracked_array_written_on_its_stream_is_handed_on_after_that_write(
+    sim_backend: cs.Backend, hand_on: str
+) -> None:
+    """The first consumer updates the view in place on its stream ``s`` (held),
+    then hands the view on: the next consumer waits for ``s`` too, not only
+    for the array's tracked writes (the view names ``s``: where its data is
+    ready). The view was routed to the array's tracked state alone, and the
+    next consumer read the old data."""
+    ops = SimOps()
+    t = cs.track(ops.array(np.ones(64, np.float32)))
+    s, c = cs.Stream(), cs.Stream()
+    view = cs.consume_blocking(t, stream=s)
+    latch = ops.latch(s)
+    with cs.sanitize(False):  # (an undeclared in-place update, as another library makes)
+        ops.fill(s, view, 10.0)
+    out = ops.array(np.zeros(64, np.float32))
+    try:
+        if hand_on == "to a stream":
+            ops.copy(c, out, cs.consume_blocking(view, stream=c))
+            waited = _held(c)
+        else:
+            with pytest.raises(TimeoutError):  # not ready while s is held
+                cs.consume_blocking(view, timeout=0.05)
+            waited = True
+    finally:
+        latch.release()
+    if hand_on == "to the host":
+        cs.consume_blocking(view, timeout=10)
+        np.testing.assert_array_equal(_values(t.array), 10.0)
+    else:
+        c.synchronize()
+        np.testing.assert_array_equal(_values(out), 10.0)
+    assert waited
+
+
+def test_a_host_consume_of_a_view_on_another_threads_per_thread_stream_waits_for_it(
+    sim_backend: cs.Backend,
+) -> None:
+    """A view handed to thread A's stream 2, consumed on the host here while
+    A's stream is held: the host waits (through an event on the legacy
+    stream, which waits for A's stream). It asked the legacy stream itself
+    whether it was idle (it was: nothing is enqueued there) and returned at
+    once, before A's work."""
+    ops = SimOps()
+    arr = ops.array(np.ones(64, np.float32))
+    got: list[cs.ArrayView] = []
+    ready, done = threading.Event(), threading.Event()
+    latches: list[Latch] = []  # A's own stream 2, held
+
+    def thread_a() -> None:
+        mine = cs.Stream.wrap(2)
+        view = cs.consume_blocking(arr, stream=mine)
+        latches.append(ops.latch(mine))
+        with cs.sanitize(False):
+            ops.fill(mine, view, 10.0)
+        got.append(view)
+        ready.set()
+        done.wait(10)  # A stays alive meanwhile
+
+    th = threading.Thread(target=thread_a)
+    th.start()
+    try:
+        assert ready.wait(10)
+        with pytest.raises(TimeoutError):
+            cs.consume_blocking(got[0], timeout=0.05)
+        latches[0].release()
+        cs.consume_blocking(got[0], timeout=10)
+        np.testing.assert_array_equal(_values(arr), 10.0)
+    finally:
+        for latch in latches:
+            latch.release()
+        done.set()
+        th.join(10)
+
+
+async def test_a_consuming_exit_and_a_close_in_another_thread_make_one_back_edge(
+    sim_backend: cs.Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The body's exit is making its back-edge when another thread closes the
+    consumer's stream: the close waits for that record before it destroys the
+    stream (it found the edge taken and went on, and the exit's record met a
+    destroyed handle: a CudaError out of ``async with``, and no back-edge)."""
+    from cai_streams import _consume
+
+    ops = SimOps()
+    p, c = cs.Stream(), cs.Stream()
+    arr = ops.array(np.ones(64, np.float32))
+    arr.stream = p.handle
+    out = ops.array(np.zeros(64, np.float32))
+    in_join, closer_started = threading.Event(), threading.Event()
+    real = _consume._UntrackedEnqueue._join_back
+
+    def slow_join(self: Any) -> None:
+        in_join.set()
+        assert closer_started.wait(10)
+        time.sleep(0.05)  # the close runs meanwhile, in the other thread
+        real(self)
+
+    monkeypatch.setattr(_consume._UntrackedEnqueue, "_join_back", slow_join)
+
+    def close_during_the_exit() -> None:
+        assert in_join.wait(10)
+        closer_started.set()
+        c.close()
+
+    closer = threading.Thread(target=close_during_the_exit)
+    closer.start()
+    latch = ops.latch(c)
+    try:
+        async with cs.consuming(arr, stream=c, timeout=5) as view:
+            ops.copy(c, out, view)
+            done = c.record()
+        closer.join(10)
+        ops.fill(p, arr, 5.0)  # the producer's next write waits for the body's copy
+        waited = _held(p)
+    finally:
+        latch.release()
+        closer.join(10)
+    done.synchronize()
+    p.synchronize()
+    assert waited
+    np.testing.assert_array_equal(_values(out), 1.0)
+
+
 def test_a_tracked_sim_arrays_own_dlpack_joins_its_tracked_writes(sim_backend: cs.Backend) -> None:
     """``arr.__dlpack__(stream=c)`` of a SimArray tracked with ``cs.track``
     (what ``cupy.from_dlpack(arr)`` calls) orders ``c`` after the writes
