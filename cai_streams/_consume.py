@@ -76,7 +76,7 @@ from ._dlpack_import import (
 from ._events import EventPool, Mark, pool_for, record
 from ._hold import ViewLease, hold_view_owner, view_done
 from ._hold_table import tick as release_holds
-from ._identity import StreamId
+from ._identity import StreamId, is_open
 from ._interface import ArrayView, byte_range, parse, parse_read
 from ._pending import PendingWork
 from ._poller import check_timeout, wait_blocking, wait_for_events
@@ -384,6 +384,9 @@ class _UntrackedEnqueue(_Handoff):
     def _join_back(self) -> None:
         s, producer = self._edge_stream, self.producer
         assert s is not None and producer is not None
+        if producer.generation and not is_open(producer):
+            return  # the producer's stream was closed: nothing more can write there (its
+            # handle may name another stream now, which must not be made to wait)
         self.sched.join(
             producer.handle,
             s._key(),

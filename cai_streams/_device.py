@@ -123,7 +123,8 @@ def view_stream_id(backend: Backend, view: ArrayView) -> StreamId:
         raise ValueError(
             f"this view names stream {handle:#x}, which was closed after the view was "
             "handed to it: its work can no longer be waited for by that handle (a new "
-            "stream may have it now). Hand on what the view came from (view.owner), or "
-            "hand the view on before closing its stream"
+            "stream may have it now). Hand the view on before closing its stream; if you "
+            "know that work complete (you synchronized the stream), hand on "
+            "view.with_stream(None)"
         )
     return key

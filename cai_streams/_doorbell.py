@@ -335,6 +335,13 @@ class _Doorbell:
                 self._sweep_locked(in_use=False)  # settles the orphans timed-out waits left
                 if self.fds + 2 > MAX_FDS:
                     return None  # the poller's cadence covers it
+            if any(lane.orphans for lane in self.serving.get((backend, key), ())):
+                # A waiter on this stream gave up, and its bell, for another record,
+                # is still queued (its pipe held until it runs): a producer that
+                # records anew for each wait (an untracked array) would take a pipe
+                # per timed-out wait. The poller's cadence covers this one until
+                # that bell settles.
+                return None
             try:
                 rfd, wfd = _pipe()
             except OSError:  # out of descriptors, say

@@ -31,7 +31,7 @@ from ._backend import Backend
 from ._blocks import Blocked, OpenBlock, Owner
 from ._capture_guard import StreamPhase
 from ._config import settings
-from ._device import OnDevice
+from ._device import OnDevice, view_stream_id
 from ._identity import Lifetime, StreamId, stream_id_now
 from ._interface import ArrayView, byte_range, stream_of
 from ._stream import Stream
@@ -210,6 +210,11 @@ class PendingWork:
         handle = stream_of(obj)
         if handle is None:
             return None
+        if type(obj) is ArrayView and obj.stream == handle:  # a view keeps its stream's
+            key = view_stream_id(self.backend, obj)  # identity (ValueError: closed since)
+            with _observe.Scope(self):
+                idle = _capture_guard.stream_idle(self.backend, key)
+            return None if idle else Stream._borrow_key(key, self.backend)
         # (1 and 2: the default streams of the buffer's device, whichever is current)
         with OnDevice(self.backend, self.device, handle):
             with _observe.Scope(self):  # what it finds complete is this buffer's to know

@@ -199,7 +199,7 @@ class Stream:
         """A borrowed wrapper of the stream ``key`` names, with that identity
         as given (another thread's handle 2, another device's 1), keeping
         nothing alive: for a record made on it now."""
-        self = cls.__new__(cls)
+        self = Stream.__new__(_KeyedStream)
         self._backend = backend
         self._handle = key.handle
         self._owned = False
@@ -496,6 +496,17 @@ class _KeptStream(Stream):
     :meth:`Stream._kept`); never handed to the user."""
 
     __slots__ = ()
+
+
+class _KeyedStream(Stream):
+    """A borrowed wrapper of one stream identity, whichever thread uses it
+    (another thread's handle 2 stays that thread's: see
+    :meth:`Stream._borrow_key`); never handed to the user."""
+
+    __slots__ = ()
+
+    def _key(self) -> StreamId:
+        return self._id
 
 
 def _tell_closing(listeners: Iterable[ClosingListener]) -> None:

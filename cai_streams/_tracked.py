@@ -266,6 +266,11 @@ def track(obj: object, stream: object = None) -> TrackedArray:
         return obj
     backend = current_backend()
     export_stream = None if stream is None else as_stream(stream, backend)
+    if type(obj) is ArrayView and obj.owner is not None:
+        found = lookup(obj, backend)  # a view of a tracked array is that array's
+        if found is not None and found[1] is obj:
+            owner = obj.owner
+            return track(owner) if stream is None else track(owner, stream)
     work = find_work(backend, obj)
     if work is None:
         view = parse(obj)

@@ -847,6 +847,45 @@ async def test_back_to_back_timed_out_waits_keep_one_pipe_while_the_poller_runs(
     other.close()
 
 
+async def test_timed_out_waits_on_an_untracked_producer_keep_one_pipe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An untracked producer records a new event for each host wait: each
+    timed-out wait left a bell for its own record, queued behind the long
+    kernel, a pipe each, until the doorbell's limit refused bells to every
+    waiter in the process. While a stream has such a bell queued, its next
+    waiters are served by the poller's cadence instead."""
+    cs.use_backend("sim")
+    monkeypatch.setattr(_doorbell, "MAX_FDS", 8)
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    before = _settled()
+    s, gate = cs.Stream(), threading.Event()
+    x = sim.empty(16)
+    sim.launch(s, lambda a: gate.wait(20), x, writes=[x])
+    x.stream = s.handle
+    held = []
+    try:
+        for _ in range(12):  # past the limit (4 pipes), without the fix
+            with anyio.move_on_after(0.02):  # (long enough for the bell to be armed)
+                await cs.consume(x)
+            held.append(_doorbell._doorbell.fds - before["doorbell_fds"])
+        other = cs.Stream()
+        sim.launch(other, lambda: None, duration=0.05)
+        armed = cs.stats()["doorbells_armed"]
+        await other.record().wait(timeout=10)
+        assert cs.stats()["doorbells_armed"] > armed  # it still got a bell
+    finally:
+        gate.set()
+    await cs.consume(x, timeout=10)  # (its waiter is served: by the poller)
+    assert max(held) <= 2, held
+    await _poller_ended()
+    s.synchronize()
+    _sync_lanes()
+    assert _settled()["doorbell_fds"] == before["doorbell_fds"]
+    s.close()
+    other.close()
+
+
 async def test_waits_that_time_out_on_many_records_hold_at_most_max_fds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -295,7 +295,8 @@ def test_a_view_whose_stream_closed_since_is_refused_when_handed_on(
         assert cs.consume_blocking(view.owner, stream=cs.Stream()).stream is not None
     finally:
         latch.release()
-    p.synchronize()
+    p.synchronize()  # (s waited only for p: its work is known complete now)
+    assert cs.consume_blocking(view.with_stream(None), timeout=1).stream is None  # as advised
     if taker is not None:
         taker.close()
 
@@ -421,6 +422,56 @@ async def test_a_consuming_exit_and_a_close_in_another_thread_make_one_back_edge
         closer.join(10)
     done.synchronize()
     p.synchronize()
+    assert waited
+    np.testing.assert_array_equal(_values(out), 1.0)
+
+
+async def test_a_consuming_exit_after_its_producers_stream_closed_makes_no_back_edge(
+    sim_backend: cs.Backend,
+) -> None:
+    """The untracked producer's stream closes during the body, and a new
+    stream takes its handle and begins a capture: the exit makes no back-edge
+    (nothing more can write on a closed stream). It made the new stream wait,
+    which broke its capture (and raised a CudaError from the exit when the
+    handle was gone)."""
+    p = cs.Stream()
+    x = sim.empty(16)
+    x.stream = p.handle
+    sim.launch(p, lambda a: a.fill(1.0), x, writes=[x], duration=0.02)
+    s = cs.Stream()
+    async with cs.consuming(x, stream=s, timeout=5) as view:
+        sim.launch(s, lambda a: None, view, reads=[view])
+        handle = p.handle
+        p.close()
+        q = cs.Stream()
+        assert q.handle == handle  # (the sim gives the closed handle out again)
+        q.begin_capture()
+    q.end_capture()  # the capture survived
+    s.synchronize()
+
+
+def test_tracking_a_view_of_a_tracked_array_gives_that_array(sim_backend: cs.Backend) -> None:
+    """``cs.track(view)`` of a view of a tracked array is the array's
+    TrackedArray (it made a second, independent tracked state: a write
+    through it did not wait for the array's reader, which read zeros)."""
+    ops = SimOps()
+    a = ops.array(np.ones(64, np.float32))
+    t = cs.track(a)
+    view = cs.consume_blocking(t, stream=cs.Stream())
+    r, q = cs.Stream(), cs.Stream()
+    out = ops.array(np.zeros(64, np.float32))
+    latch = ops.latch(r)
+    with t.reading(r):
+        ops.copy(r, out, a)
+    try:
+        t2 = cs.track(view)
+        assert t2 is t
+        with t2.writing(q):
+            ops.fill(q, view.with_stream(None), 0.0)
+        waited = _held(q)
+    finally:
+        latch.release()
+    q.synchronize()
     assert waited
     np.testing.assert_array_equal(_values(out), 1.0)
 
