@@ -811,23 +811,33 @@ async def test_a_waiter_that_keeps_timing_out_rearms_one_pipe() -> None:
     s.close()
 
 
-async def test_back_to_back_timed_out_waits_keep_one_pipe_while_the_poller_runs() -> None:
-    """The same, with no pause between the waits (the poller never ends):
-    each waiter that gives up retires its bell at once, and the next wait on
-    the record adopts it. Each bell used to stay watched, so every wait armed
-    a new pipe, until the doorbell's limit refused bells to every waiter in
-    the process (an unrelated stream's waiter then got none)."""
+@pytest.mark.parametrize("records", ["one record", "a record per wait"])
+async def test_back_to_back_timed_out_waits_keep_one_pipe_while_the_poller_runs(
+    monkeypatch: pytest.MonkeyPatch, records: str
+) -> None:
+    """The same, with no pause between the waits (the poller never ends).
+    One record (an Event): each waiter that gives up retires its bell at
+    once, and the next wait adopts it (each bell stayed watched, so every wait
+    armed a new pipe). A record per wait (an untracked producer's host
+    consume): while the stream's earlier bell is still queued, the next
+    waiters are polled (each timed-out wait left a pipe). Either way the
+    doorbell's limit refused bells to every waiter in the process, and an
+    unrelated stream's waiter got none."""
     cs.use_backend("sim")
+    monkeypatch.setattr(_doorbell, "MAX_FDS", 8)
     cs.configure(poll=cs.PollPolicy(wake="doorbell"))
     before = _settled()
     s, gate = cs.Stream(), threading.Event()
-    sim.launch(s, lambda: gate.wait(20))
+    x = sim.empty(16)
+    sim.launch(s, lambda a: gate.wait(20), x, writes=[x])
+    x.stream = s.handle
     event = s.record()
+    wait = event.wait if records == "one record" else (lambda: cs.consume(x))
     held = []
     try:
-        for _ in range(3 * _doorbell.MAX_FDS // 2):  # past the limit, without the fix
-            with anyio.move_on_after(0.002):
-                await event.wait()
+        for _ in range(12):  # past the limit (4 pipes), without the fix
+            with anyio.move_on_after(0.02):  # (long enough for a bell to be armed)
+                await wait()
             held.append(_doorbell._doorbell.fds - before["doorbell_fds"])
         other = cs.Stream()
         sim.launch(other, lambda: None, duration=0.05)
@@ -843,45 +853,6 @@ async def test_back_to_back_timed_out_waits_keep_one_pipe_while_the_poller_runs(
     _sync_lanes()
     assert _settled()["doorbell_fds"] == before["doorbell_fds"]
     event.close()
-    s.close()
-    other.close()
-
-
-async def test_timed_out_waits_on_an_untracked_producer_keep_one_pipe(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """An untracked producer records a new event for each host wait: each
-    timed-out wait left a bell for its own record, queued behind the long
-    kernel, a pipe each, until the doorbell's limit refused bells to every
-    waiter in the process. While a stream has such a bell queued, its next
-    waiters are served by the poller's cadence instead."""
-    cs.use_backend("sim")
-    monkeypatch.setattr(_doorbell, "MAX_FDS", 8)
-    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
-    before = _settled()
-    s, gate = cs.Stream(), threading.Event()
-    x = sim.empty(16)
-    sim.launch(s, lambda a: gate.wait(20), x, writes=[x])
-    x.stream = s.handle
-    held = []
-    try:
-        for _ in range(12):  # past the limit (4 pipes), without the fix
-            with anyio.move_on_after(0.02):  # (long enough for the bell to be armed)
-                await cs.consume(x)
-            held.append(_doorbell._doorbell.fds - before["doorbell_fds"])
-        other = cs.Stream()
-        sim.launch(other, lambda: None, duration=0.05)
-        armed = cs.stats()["doorbells_armed"]
-        await other.record().wait(timeout=10)
-        assert cs.stats()["doorbells_armed"] > armed  # it still got a bell
-    finally:
-        gate.set()
-    await cs.consume(x, timeout=10)  # (its waiter is served: by the poller)
-    assert max(held) <= 2, held
-    await _poller_ended()
-    s.synchronize()
-    _sync_lanes()
-    assert _settled()["doorbell_fds"] == before["doorbell_fds"]
     s.close()
     other.close()
 
