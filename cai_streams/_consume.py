@@ -465,7 +465,7 @@ def _handoff(
     """Choose the row for ``obj``: validation and lookups only, no effects but
     a DLPack producer's join (a capsule is taken here)."""
     synced = _sync_flag(sync)
-    found = lookup(obj, backend)
+    found = lookup(obj, backend, sync=synced)
     if found is not None:  # (a TrackedArray of another backend: its backend's stream)
         work, view = found
         s = None if stream is None else as_stream(stream, work.backend)

@@ -335,12 +335,12 @@ class _Doorbell:
                 self._sweep_locked(in_use=False)  # settles the orphans timed-out waits left
                 if self.fds + 2 > MAX_FDS:
                     return None  # the poller's cadence covers it
-            if any(lane.orphans for lane in self.serving.get((backend, key), ())):
+            if self._orphaned(backend, key):
                 # A waiter on this stream gave up, and its bell, for another record,
                 # is still queued (its pipe held until it runs): a producer that
                 # records anew for each wait (an untracked array) would take a pipe
                 # per timed-out wait. The poller's cadence covers this one until
-                # that bell settles.
+                # that bell settles (``deferred``: asked again as the poller backs off).
                 return None
             try:
                 rfd, wfd = _pipe()
@@ -377,6 +377,21 @@ class _Doorbell:
         os.close(rfd)  # never handed over: both ends are still ours
         os.close(wfd)
         return None
+
+    def _orphaned(self, backend: Backend, key: Hashable) -> bool:
+        """Lock held: whether a lane serving ``key`` holds an orphan still
+        unsettled, once those whose host function ran are settled (one query)."""
+        lanes = self.serving.get((backend, key), ())
+        for lane in list(lanes):
+            if lane.orphans:
+                self._settle(lane)
+        return any(lane.orphans for lane in self.serving.get((backend, key), ()))
+
+    def deferred(self, backend: Backend, key: Hashable) -> bool:
+        """Whether a bell for ``key`` was refused only for an orphan still
+        queued there: worth asking again later. Never blocks."""
+        with self.lock:
+            return any(lane.orphans for lane in self.serving.get((backend, key), ()))
 
     def _adopt(self, entry: Armable, key: Hashable) -> _Bell | None:
         """Lock held: a retired bell for the same record, still unsettled, armed
@@ -870,6 +885,8 @@ class PollerBells:
         watch = self._bind()
         bell = _doorbell.arm(entry, key)
         if bell is None:
+            if _doorbell.deferred(entry.backend, key):
+                return  # (unarmed: asked again when the poller next backs off)
             entry.bell = BellState.REFUSED
             self.wake_now()  # the poller's own cadence takes over
             return

@@ -68,6 +68,9 @@ def record_asked(backend: Backend, event: int, key: StreamId, state: bool | None
         # another thread's per-thread stream cannot be named from here; the
         # legacy stream waits for it (a blocking stream): the event is that one's
         key = StreamId(key.backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0)
+        # asked again, of the legacy stream: while a blocking stream captures, a
+        # record there would invalidate that capture (CaptureError first, instead)
+        state = _capture_guard.capturing(backend, key)
     with _record_lock:
         if key.handle <= PER_THREAD_DEFAULT_STREAM:  # (1, 2: the current device's streams)
             with OnDevice(backend, key.device, key.handle):

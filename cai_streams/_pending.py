@@ -211,7 +211,10 @@ class PendingWork:
         if handle is None:
             return None
         if type(obj) is ArrayView and obj.stream == handle:  # a view keeps its stream's
-            key = view_stream_id(self.backend, obj)  # identity (ValueError: closed since)
+            try:  # identity
+                key = view_stream_id(self.backend, obj)
+            except ValueError:  # its stream closed since: nothing more is enqueued there
+                return None
             with _observe.Scope(self):
                 idle = _capture_guard.stream_idle(self.backend, key)
             return None if idle else Stream._borrow_key(key, self.backend)
@@ -226,8 +229,16 @@ class PendingWork:
     def note_stream(self, key: StreamId) -> None:
         """Work enqueued on ``key``'s stream so far may have written the buffer
         (a view of it was handed there, and is handed on now): recorded now, as
-        a pending write, so the next consumer and the next writer wait for it.
-        Only enqueues GPU work (one record)."""
+        a pending write, so the next consumer and the next writer wait for it;
+        nothing when it is idle, or capturing (captured work runs at a launch).
+        Only enqueues GPU work (one record at most)."""
+        state = _capture_guard.capturing(self.backend, key)  # (the legacy: may raise)
+        if state is True:  # captured work runs at a launch, in no order with this
+            return
+        if state is False:
+            with _observe.Scope(self):  # what it finds complete is this buffer's to know
+                if _capture_guard.stream_idle(self.backend, key):
+                    return  # nothing pending there: nothing to record
         stream = Stream._borrow_key(key, self.backend)
         access = Access.recorded(self, Kind.WRITE, stream, key)
         with self._locked():

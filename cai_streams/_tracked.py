@@ -291,7 +291,9 @@ def track(obj: object, stream: object = None) -> TrackedArray:
     return _wrapper(work, obj, work.layout, backend)
 
 
-def lookup(obj: object, backend: Backend) -> tuple[PendingWork, ArrayView] | None:
+def lookup(
+    obj: object, backend: Backend, *, sync: bool | None = None
+) -> tuple[PendingWork, ArrayView] | None:
     """The pending work of ``obj`` (or of a TrackedArray) and its view, if
     tracked. A view whose owner is tracked, within the owner's memory (what
     ``consume(t, stream=s)`` returns, handed on to another consumer), is that
@@ -299,7 +301,8 @@ def lookup(obj: object, backend: Backend) -> tuple[PendingWork, ArrayView] | Non
     read counts, so the owner's next ``writing()`` waits for it too. The
     view's own stream is noted as pending on the owner (recorded now), as
     the owner's own interface stream is at every access: the first consumer
-    may have written the view there. ValueError if that stream was closed."""
+    may have written the view there (unless ``sync`` is False: None, the
+    global setting). ValueError if that stream was closed."""
     if isinstance(obj, TrackedArray):
         release_holds()  # as find_work does: a bounded step
         return obj._work, obj.view
@@ -309,8 +312,9 @@ def lookup(obj: object, backend: Backend) -> tuple[PendingWork, ArrayView] | Non
     if type(obj) is ArrayView and obj.owner is not None:
         work = find_work(backend, obj.owner)
         if work is not None and _within(byte_range(obj), byte_range(work.layout)):
-            if obj.stream is not None:  # where the view says its data is ready: its
-                work.note_stream(view_stream_id(backend, obj))  # consumer may have written
+            if obj.stream is not None and (settings.sync if sync is None else sync):
+                # where the view says its data is ready: its consumer may have written
+                work.note_stream(view_stream_id(backend, obj))
             return work, obj
     return None
 

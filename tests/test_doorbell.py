@@ -857,6 +857,34 @@ async def test_back_to_back_timed_out_waits_keep_one_pipe_while_the_poller_runs(
     other.close()
 
 
+async def test_a_bell_refused_for_a_queued_orphan_is_armed_once_it_settles() -> None:
+    """A waiter that timed out left its bell queued on the stream; the next
+    waiter is refused a bell while it is, and armed once it settled (it was
+    refused for good, and the poller passed at ``cap`` for the rest of the
+    wait: about 8 times the passes)."""
+    cs.use_backend("sim")
+    cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+    x = sim.empty(16)
+    t = cs.track(x)
+    s, first, second = cs.Stream(), threading.Event(), threading.Event()
+    with t.writing(s):
+        sim.launch(s, lambda a: first.wait(20), x, writes=[x])
+    with anyio.move_on_after(0.02):
+        await cs.consume(t)  # times out: its bell stays queued behind the kernel
+    with t.writing(s):
+        sim.launch(s, lambda a: second.wait(20), x, writes=[x])
+    before = cs.stats()
+    threading.Timer(0.05, first.set).start()
+    threading.Timer(0.5, second.set).start()
+    try:
+        await cs.consume(t, timeout=10)
+    finally:
+        first.set()
+        second.set()
+    assert cs.stats()["doorbells_armed"] > before["doorbells_armed"]
+    s.synchronize()
+
+
 async def test_waits_that_time_out_on_many_records_hold_at_most_max_fds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

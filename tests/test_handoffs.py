@@ -476,6 +476,91 @@ def test_tracking_a_view_of_a_tracked_array_gives_that_array(sim_backend: cs.Bac
     np.testing.assert_array_equal(_values(out), 1.0)
 
 
+@pytest.mark.parametrize("tracked", [True, False], ids=["tracked", "untracked"])
+def test_a_view_on_another_threads_capturing_stream_2_is_refused_and_the_capture_lives(
+    sim_backend: cs.Backend, tracked: bool
+) -> None:
+    """Thread A hands an array to its stream 2 and begins a capture there;
+    handing the view on here needs a record on the legacy stream, which any
+    use would invalidate A's capture: CaptureError first (the record was made,
+    the driver refused it, and A's capture was invalidated)."""
+    x = sim.empty(16)
+    source: Any = cs.track(x) if tracked else x
+    got: list[cs.ArrayView] = []
+    began, handed = threading.Event(), threading.Event()
+    ended: list[str] = []
+
+    def thread_a() -> None:
+        mine = cs.Stream.wrap(2)
+        got.append(cs.consume_blocking(source, stream=mine, timeout=5))
+        mine.begin_capture(mode="thread_local")
+        began.set()
+        handed.wait(10)
+        mine.end_capture()
+        ended.append("ok")
+
+    th = threading.Thread(target=thread_a)
+    th.start()
+    try:
+        assert began.wait(10)
+        with pytest.raises(cs.CaptureError, match="legacy default stream"):
+            cs.consume_blocking(got[0], stream=cs.Stream(), timeout=1)
+    finally:
+        handed.set()
+        th.join(10)
+    assert ended == ["ok"]
+
+
+def test_a_view_on_a_capturing_stream_handed_on_leaves_its_array_as_it_was(
+    sim_backend: cs.Backend,
+) -> None:
+    """A view of a tracked array whose stream now captures, handed on to the
+    host: nothing is recorded into the capture for it, and the array keeps no
+    pending write from it (a captured write was left behind: every later
+    consume of the array raised CaptureError until the capture ended)."""
+    t = cs.track(sim.empty(16))
+    s = cs.Stream()
+    view = cs.consume_blocking(t, stream=s, timeout=5)
+    s.synchronize()
+    s.begin_capture(mode="relaxed")
+    try:
+        cs.consume_blocking(view, timeout=1)
+        assert t.pending_streams()["writes"] == []
+        cs.consume_blocking(t, timeout=1)
+        cs.consume_blocking(t, stream=cs.Stream(), timeout=1)
+    finally:
+        s.end_capture()
+
+
+@pytest.mark.parametrize("how", ["a TrackedArray over it", "sync=False"])
+def test_a_view_whose_stream_closed_stays_usable_where_its_stream_is_not_waited_for(
+    sim_backend: cs.Backend, how: str
+) -> None:
+    """A TrackedArray made over a view, whose stream was synchronized and
+    closed, keeps working (every access raised ValueError for good: its own
+    interface names the closed stream, where nothing more can be enqueued);
+    ``sync=False`` hands a tracked array's view on without asking its stream
+    (it raised the same ValueError)."""
+    x = sim.empty(16)
+    s = cs.Stream()
+    if how == "sync=False":
+        view = cs.consume_blocking(cs.track(x), stream=s, timeout=5)
+        s.synchronize()
+        s.close()
+        cs.consume_blocking(view, sync=False)  # (its stream is not asked)
+        return
+    view = cs.consume_blocking(x, stream=s, timeout=5)
+    t = cs.track(view)
+    s.synchronize()
+    s.close()
+    q = cs.Stream()
+    with t.writing(q):
+        pass
+    t.export()
+    cs.consume_blocking(t, timeout=1)
+    cs.consume_blocking(t, stream=q, timeout=1)
+
+
 def test_a_tracked_sim_arrays_own_dlpack_joins_its_tracked_writes(sim_backend: cs.Backend) -> None:
     """``arr.__dlpack__(stream=c)`` of a SimArray tracked with ``cs.track``
     (what ``cupy.from_dlpack(arr)`` calls) orders ``c`` after the writes
