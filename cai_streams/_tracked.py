@@ -260,7 +260,8 @@ def track(obj: object, stream: object = None) -> TrackedArray:
     gives the same TrackedArray while one is alive, and a new one over the
     same pending work after it was dropped. Work the object's own CAI
     ``stream`` reports is pending from the start, and again at every access
-    and handoff. Does not block.
+    and handoff. A view of a tracked array (``consume(t, stream=s)``) gives
+    that array's TrackedArray. Does not block.
     """
     if isinstance(obj, TrackedArray):
         return obj
