@@ -163,8 +163,11 @@ def _bad(what: str, value: object, expected: str) -> InterfaceError:
     return InterfaceError(f"DLPack tensor {what} is {value!r}: expected {expected}")
 
 
-def _read_tensor(address: int, versioned: bool, stream: int | None) -> tuple[dict[str, Any], bool]:
-    """The tensor at ``address`` as a v3 interface dict, and its read-only flag."""
+def _read_tensor(
+    address: int, versioned: bool, stream: int | None, device_id: int | None
+) -> dict[str, Any]:
+    """The tensor at ``address`` as a v3 interface dict; ``device_id``, if
+    given, is the CUDA device the tensor must report."""
     readonly = False
     if versioned:
         head = _dlpack.DLManagedTensorVersioned.from_address(address)
@@ -178,6 +181,12 @@ def _read_tensor(address: int, versioned: bool, stream: int | None) -> tuple[dic
     device = (t.device.device_type, t.device.device_id)
     if device[0] != _dlpack.DeviceType.CUDA:
         raise _not_cuda(device, "its capsule")
+    if device_id is not None and device[1] != device_id:
+        raise InterfaceError(
+            f"the DLPack capsule's tensor is on CUDA device {device[1]}, but its producer's "
+            f"__dlpack_device__() reported device {device_id}: the stream it was handed "
+            "belongs to the wrong device; the producer is inconsistent"
+        )
     ndim = t.ndim
     if not 0 <= ndim <= MAX_NDIM:
         raise _bad("ndim", ndim, f"0 to {MAX_NDIM}")
@@ -213,7 +222,7 @@ def _read_tensor(address: int, versioned: bool, stream: int | None) -> tuple[dic
         "version": 3,
         "stream": stream,
     }
-    return cai, readonly
+    return cai
 
 
 _DEVICE_NAMES: Final = {
@@ -237,9 +246,13 @@ def _not_cuda(device: tuple[int, int], where: str) -> InterfaceError:
     )
 
 
-def read_capsule(capsule: object, *, stream: int | None, producer: str = "DLPack") -> ArrayView:
+def read_capsule(
+    capsule: object, *, stream: int | None, producer: str = "DLPack", device_id: int | None = None
+) -> ArrayView:
     """Validate and take a DLPack capsule: an ArrayView whose ``stream`` is
     ``stream`` and whose owner calls the tensor's deleter once, when collected.
+    ``device_id``: the CUDA device the producer said the tensor is on, if
+    asked (another device in the tensor raises InterfaceError).
 
     A malformed tensor raises InterfaceError and is not taken: the capsule's
     own destructor deletes it. Does not block; enqueues nothing.
@@ -259,7 +272,7 @@ def read_capsule(capsule: object, *, stream: int | None, producer: str = "DLPack
     address, versioned = found
     if not address:
         raise _bad("pointer", "NULL", "a DLManagedTensor")
-    cai, _ = _read_tensor(address, versioned, stream)
+    cai = _read_tensor(address, versioned, stream, device_id)
     _dlpack.mark_used(capsule, versioned)
     owner = DLPackOwner(address, versioned, cai, producer)
     return parse(owner)
@@ -299,11 +312,11 @@ def take(obj: Any, stream: int | None) -> ArrayView:
     on a CUDA device raises InterfaceError before any capsule is made.
     Only enqueues GPU work (the producer's join).
     """
-    cuda_device_of(obj)
+    device_id = cuda_device_of(obj)
     passed = -1 if stream is None else stream
     try:
         capsule = obj.__dlpack__(stream=passed, max_version=MAX_VERSION)
     except TypeError:  # a producer older than the 2023 standard: no max_version
         capsule = obj.__dlpack__(stream=passed)
     producer = type(obj).__module__.partition(".")[0] or type(obj).__qualname__
-    return read_capsule(capsule, stream=stream, producer=producer)
+    return read_capsule(capsule, stream=stream, producer=producer, device_id=device_id)

@@ -791,6 +791,38 @@ def test_a_lying_producer_is_refused_and_its_capsule_deleted_by_numpy() -> None:
     assert sys.getrefcount(base) == before
 
 
+@pytest.mark.parametrize("stream", [None, "a stream"])
+def test_a_capsule_on_another_device_than_dlpack_device_says_is_refused(
+    exports: None, stream: str | None
+) -> None:
+    """``__dlpack_device__`` says device 0, the capsule's tensor is on device 1:
+    the producer was handed (and ordered its work after) a stream of the wrong
+    device, so the view would name the wrong device's stream. Refused,
+    naming both devices; the capsule is not taken (its own destructor frees
+    it) and the producer's array is not kept. (It was taken as is.)"""
+    backend = cs.current_backend()
+    if backend.device_count() < 2:
+        pytest.skip("needs two simulated devices")
+    previous = backend.current_device()
+    backend.set_device(1)
+    try:
+        inner = sim.asarray(np.ones(4, np.float32))
+    finally:
+        backend.set_device(previous)
+
+    class WrongDevice(DLPackOnly):
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, 0)
+
+    odd = WrongDevice(inner)
+    before = sys.getrefcount(inner)
+    with pytest.raises(cs.InterfaceError, match="on CUDA device 1.*reported device 0"):
+        cs.consume_blocking(odd, stream=None if stream is None else cs.Stream(), protocol="dlpack")
+    assert len(odd.calls) == 1
+    gc.collect()
+    assert sys.getrefcount(inner) == before
+
+
 def test_a_torch_cpu_tensor_is_refused() -> None:
     torch = pytest.importorskip("torch")
     with pytest.raises(cs.InterfaceError, match="kDLCPU"):
