@@ -13,7 +13,7 @@ from . import _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
 from ._capture_guard import StreamPhase
 from ._device import OnDevice
-from ._errors import CudaError, CudaWarning
+from ._errors import CaptureError, CudaError, CudaWarning
 from ._identity import StreamId, thread_serial
 
 __all__ = [
@@ -67,10 +67,19 @@ def record_asked(backend: Backend, event: int, key: StreamId, state: bool | None
     if key.handle == PER_THREAD_DEFAULT_STREAM and key.thread != thread_serial():
         # another thread's per-thread stream cannot be named from here; the
         # legacy stream waits for it (a blocking stream): the event is that one's
-        key = StreamId(key.backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0)
+        legacy = StreamId(key.backend, key.device, LEGACY_DEFAULT_STREAM, 0, 0)
         # asked again, of the legacy stream: while a blocking stream captures, a
         # record there would invalidate that capture (CaptureError first, instead)
-        state = _capture_guard.capturing(backend, key)
+        try:
+            state = _capture_guard.capturing(backend, legacy)
+        except CaptureError as exc:  # (say whose stream it stands in for)
+            raise CaptureError(
+                f"work on the per-thread default stream (2) of another thread "
+                f"({key.describe()}) can be waited for only through the legacy default "
+                "stream (1), which cannot be used while a blocking stream captures a "
+                "graph: wait until that capture ends, or hand the array to a cs.Stream()"
+            ) from exc
+        key = legacy
     with _record_lock:
         if key.handle <= PER_THREAD_DEFAULT_STREAM:  # (1, 2: the current device's streams)
             with OnDevice(backend, key.device, key.handle):

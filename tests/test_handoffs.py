@@ -503,7 +503,9 @@ def test_a_view_on_another_threads_capturing_stream_2_is_refused_and_the_capture
     th.start()
     try:
         assert began.wait(10)
-        with pytest.raises(cs.CaptureError, match="legacy default stream"):
+        with pytest.raises(
+            cs.CaptureError, match=r"per-thread default stream \(2\) of another thread.*legacy"
+        ):
             cs.consume_blocking(got[0], stream=cs.Stream(), timeout=1)
     finally:
         handed.set()
