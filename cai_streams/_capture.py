@@ -49,23 +49,54 @@ def note_captured(work: object, writes: bool, key: StreamId) -> None:
     """A tracked buffer's access was recorded on the capturing stream ``key``.
 
     It belongs to the capture ``key`` began or, for a stream forked into a
-    capture, to the one capture under way on that backend and device (several
-    at once: it cannot be told which, and a launch does not order it)."""
+    capture (from any device of the backend), to the one capture under way on
+    that backend (several at once: it cannot be told which, and a launch does
+    not order it)."""
     with _lock:
         capture = _active.get(key)
         if capture is None:
             for gone in [k for k in _active if capturing(k.backend, k) is False]:
                 del _active[gone]  # ended or destroyed behind the library's back
-            found = [
-                c for c in _active.values() if c.backend is key.backend and c.device == key.device
-            ]
+            found = [c for c in _active.values() if c.backend is key.backend]
             if len(found) != 1:
                 return
             capture = found[0]
-        ref, wrote = capture.touched.get(id(work), (None, False))
-        if ref is None or ref() is not work:
-            ref, wrote = weakref.ref(work), False
-        capture.touched[id(work)] = (ref, wrote or writes)
+        _touch(capture, work, writes)
+
+
+def _touch(capture: _Capture, work: object, writes: bool) -> None:
+    """``_lock`` held: ``capture`` accessed ``work`` (wrote it, if ``writes``)."""
+    ref, wrote = capture.touched.get(id(work), (None, False))
+    if ref is None or ref() is not work:
+        ref, wrote = weakref.ref(work), False
+    capture.touched[id(work)] = (ref, wrote or writes)
+
+
+def _note_open_on(capture: _Capture, key: StreamId) -> None:
+    """At the end of ``capture``, begun on ``key``'s stream: the tracked
+    buffers with a ``writing()`` / ``reading()`` block (a ``consuming()`` body)
+    or a consumer's read still open on that stream. Their work from inside the
+    capture is in the graph, but their record comes after the capture ended,
+    an ordinary one that orders nothing about a launch, so the capture itself
+    never named them. Asks no driver; one pass over the backend's tracked
+    buffers, taking no buffer's lock (a copy of each list is one step under
+    the GIL: a block opened or closed meanwhile is a race of the caller's)."""
+    from ._access import AccessState, Kind  # late: _access imports this module
+    from ._scheduler import schedulers_of
+
+    found: list[tuple[object, bool]] = []
+    for sched in schedulers_of(key.backend):
+        with sched.lock:
+            works = [*sched.buffers.values(), *sched._orphans]
+        for work in works:
+            on = [b.kind for b in list(work.blocks) if b.key == key]
+            if any(a.key == key and a.state is AccessState.LAZY for a in list(work.reads)):
+                on.append(Kind.READ)
+            if on:
+                found.append((work, Kind.WRITE in on))
+    with _lock:
+        for buffer, writes in found:
+            _touch(capture, buffer, writes)
 
 
 def any_under_way() -> bool:
@@ -103,8 +134,10 @@ def end_capture(stream: Stream) -> Graph:
         if not _still_capturing(backend, handle):
             with _lock:
                 capture = _active.pop(key, None)
-    touched = [] if capture is None else list(capture.touched.values())
-    return Graph._made(backend, graph, touched)
+    if capture is None:
+        return Graph._made(backend, graph, [])
+    _note_open_on(capture, key)
+    return Graph._made(backend, graph, list(capture.touched.values()))
 
 
 def _still_capturing(backend: Backend, handle: int) -> bool:

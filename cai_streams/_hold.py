@@ -279,20 +279,22 @@ def hold(owner: object, *, until: object) -> None:
     backend = current_backend()
     s = as_stream(until, backend)
     lifetime = s._lifetime
-    if in_collection() and s._closed and lifetime is not None and not lifetime.closed:
-        # collected or closed in this collection, before the finalizer calling
-        # this: its end waits for the next library call, and it exists till then
-        handle = s._handle
-    else:
-        handle = s.handle  # a closed Stream refuses
-    if backend.is_capturing(handle):
+    # A closed Stream refuses, unless collected or closed in this collection,
+    # before the finalizer calling this: its end waits for the next library
+    # call, and it exists till then
+    if not (in_collection() and s._closed and lifetime is not None and not lifetime.closed):
+        s.handle  # noqa: B018 - (raises)
+    key = s._key()
+    # (asked as every handoff asks: the legacy stream while a blocking stream
+    # captures raises CaptureError with advice, not the driver's error)
+    if _capture_guard.capturing(backend, key) is True:
         raise CaptureError(
             f"hold() cannot record on {s!r}: it is capturing a graph, and an event "
             "recorded in a capture cannot be queried. Keep the owner alive as long "
             "as the graph, or call hold(owner, until=stream) after the graph's "
             "launch on the stream it was launched on."
         )
-    key, ranges = s._key(), _owner_ranges(owner)
+    ranges = _owner_ranges(owner)
     if in_collection():  # a finalizer, maybe inside a library lock
         _record_in_collection(key, owner, nbytes_of(owner), ranges)
         return

@@ -57,7 +57,10 @@ vouches for the accesses to the owner's memory before that event (``held``):
 the memory is freed after the hold let go, whichever thread frees it.
 Work declared on a capturing stream (or on a stream that joined its capture)
 is checked each time the graph is replayed, as work of the stream it is
-launched on; the order of the nodes inside one graph is not checked.
+launched on, after that executable's earlier launches (cudaGraphLaunch's
+rule); a graph launched into a capture is that capture's work (a child
+graph); a launch of a graph that accesses memory freed since its capture is
+refused. The order of the nodes inside one graph is not checked.
 
 Actors are stream identities (``_identity.StreamId``, with the stream's own
 device): a stream closed and its handle reused is a new actor, and handle 2
@@ -177,6 +180,12 @@ class _State:
         self.captured: dict[Actor, list[Captured]] = {}
         self.capture_events: dict[tuple[Backend, int], Actor] = {}
         self.graphs: dict[tuple[Backend, int, bool], list[Captured]] = {}
+        #: an executable's last launch: the launch stream's clock after it (each
+        #: launch of an executable is ordered behind the earlier ones)
+        self.launches: dict[tuple[Backend, int], Clock] = {}
+        #: captures and graphs (keyed as above) with an access to memory freed
+        #: since it was captured: (what, where, the freed range), the first one
+        self.stale: dict[Any, tuple[str, str, int, int]] = {}
         self.local = threading.local()
         self.checked = 0
         self.sweeps = 0
@@ -337,7 +346,25 @@ class _State:
                 return None
             return a if a.freed else dataclasses.replace(a, freed=True)
 
-        self.lock.run_or_defer(lambda: self.shadows.keep(lo, hi, keep))
+        def change() -> None:
+            self.shadows.keep(lo, hi, keep)
+            self._graphs_lose(lo, hi)
+
+        self.lock.run_or_defer(change)
+
+    def _graphs_lose(self, lo: int, hi: int) -> None:
+        """Lock held: memory ``[lo, hi)`` was freed. A graph (or a capture under
+        way) that accesses it keeps the raw pointer: any later launch of it
+        uses memory that is gone, or another owner's."""
+        tables: list[dict[Any, list[Captured]]] = [self.graphs, self.captured]
+        for table in tables:
+            for key, operations in table.items():
+                if key in self.stale:
+                    continue
+                for items, what, site in operations:
+                    if any(b > lo and a < hi for _, a, b in items):
+                        self.stale[key] = (what, site, lo, hi)
+                        break
 
     def hold_released(self, backend: Backend, event: int, ranges: list[tuple[int, int]]) -> None:
         """The library lets go of a hold's owner, having seen ``event`` complete.
@@ -686,6 +713,9 @@ class _Watcher(Observer):
         with state.lock:
             origin = state.stream(backend, stream)
             state.graphs[(backend, graph, False)] = state.captured.pop(origin, [])
+            stale = state.stale.pop(origin, None)
+            if stale is not None:
+                state.stale[(backend, graph, False)] = stale
             self._end_capture_of(origin)
 
     def capture_abandoned(self, backend: Backend, stream: int) -> None:
@@ -693,6 +723,7 @@ class _Watcher(Observer):
         with state.lock:
             origin = state.stream(backend, stream)
             state.captured.pop(origin, None)  # (never runs: nothing to check it against)
+            state.stale.pop(origin, None)
             self._end_capture_of(origin)
 
     @staticmethod
@@ -707,17 +738,50 @@ class _Watcher(Observer):
         with _state.lock:
             found = _state.graphs.get((backend, graph, False), [])
             _state.graphs[(backend, graph_exec, True)] = list(found)
+            stale = _state.stale.get((backend, graph, False))
+            if stale is not None:
+                _state.stale[(backend, graph_exec, True)] = stale
 
     def graph_launch(self, backend: Backend, graph_exec: int, stream: int) -> None:
+        """Each replayed access is checked as work of ``stream`` now, after the
+        executable's earlier launches (as cudaGraphLaunch orders it); into a
+        capturing stream, the launch is a node of that capture (a child graph),
+        checked when that graph is replayed."""
         state = _state
         with state.lock:
-            for items, what, site in state.graphs.get((backend, graph_exec, True), []):
+            operations = state.graphs.get((backend, graph_exec, True), [])
+            stale = state.stale.get((backend, graph_exec, True))
+            if stale is not None:
+                raise _freed_under_graph(*stale)
+            origin = state.capture_of.get(state.stream(backend, stream))
+            if origin is not None:  # recorded into that capture, not run
+                state.captured[origin].extend(operations)
+                return
+            actor, clock = state.enqueue(backend, stream)
+            earlier = state.launches.get((backend, graph_exec))
+            if earlier is not None:
+                join(clock, earlier)
+            for items, what, site in operations:
                 actor, clock = state.enqueue(backend, stream)
                 state.access(actor, clock, items, f"graph replay of {what}", site)
+            state.launches[(backend, graph_exec)] = dict(clock)
 
     def graph_destroyed(self, backend: Backend, graph: int, executable: bool) -> None:
         with _state.lock:
             _state.graphs.pop((backend, graph, executable), None)
+            _state.stale.pop((backend, graph, executable), None)
+            if executable:
+                _state.launches.pop((backend, graph), None)
+
+
+def _freed_under_graph(what: str, site: str, lo: int, hi: int) -> HazardError:
+    return HazardError(
+        f"a launch of a graph whose {what} (captured at {site}) accesses {hi - lo} bytes at "
+        f"{lo:#x}, memory freed since the capture: a graph keeps raw pointers, so its "
+        "replay would use memory that is gone, or that the caching allocator handed to a "
+        "new owner.\n  Fix: keep every array a graph uses alive as long as the graph "
+        "(close the graph first, or `cs.hold(owner, until=stream)` after its last launch)."
+    )
 
 
 _watcher = _Watcher()

@@ -4,8 +4,9 @@ Each CaptureError case checks that the capture is still valid afterwards (its
 ``end_capture`` succeeds) beside a control: the raw backend calls the library
 would otherwise have made, which invalidate it (or, for a fork into the
 capture, make ``end_capture`` fail). The sanitizer is off here, as in the
-capture conformance suite: it does not model graphs (captured kernels are
-declared to it as if they ran).
+capture conformance suite: these controls make the raw calls on purpose. (It
+models graphs by their launches: tests/test_sanitizer.py, and
+tests/test_capture_spanning_blocks.py, which runs graphs sanitized.)
 """
 
 from __future__ import annotations

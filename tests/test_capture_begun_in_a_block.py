@@ -29,7 +29,7 @@ from .device_ops import DeviceOps, consume_returns, consuming_past_the_open_read
 
 @pytest.fixture(autouse=True)
 def _unsanitized() -> Iterator[None]:
-    with cs.sanitize(False):  # it does not model graphs (see test_capture.py)
+    with cs.sanitize(False):  # the controls race on purpose, as the programs' undeclared fills do
         yield
 
 

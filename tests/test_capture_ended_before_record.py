@@ -34,7 +34,7 @@ from .device_ops import DeviceOps, consume_returns
 
 @pytest.fixture(autouse=True)
 def _unsanitized() -> Iterator[None]:
-    with cs.sanitize(False):  # it does not model graphs (see test_capture.py)
+    with cs.sanitize(False):  # the controls race on purpose, as the programs' undeclared fills do
         yield
 
 

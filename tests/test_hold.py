@@ -231,6 +231,34 @@ def test_hold_on_a_capturing_stream_raises_capture_error_and_the_capture_stays_v
     backend.destroy_graph(graph)
 
 
+def test_hold_on_the_legacy_stream_while_a_blocking_stream_captures_raises_capture_error(
+    backend: cs.Backend,
+) -> None:
+    """Stream 2 captures in this thread; another thread holds an owner until
+    the legacy stream: CaptureError with the advice every handoff gives (it
+    was the driver's bare CudaError, cudaErrorStreamCaptureImplicit), and the
+    capture is still valid."""
+    blocking = cs.Stream.wrap(2)
+    backend.begin_capture(blocking.handle, "global")
+    raised: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            cs.hold(Owner(), until=cs.Stream.wrap(1))
+        except BaseException as exc:  # (checked below, in the test's thread)
+            raised.append(exc)
+
+    try:
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(10)
+    finally:
+        graph = backend.end_capture(blocking.handle)  # raises if the capture was invalidated
+    backend.destroy_graph(graph)
+    assert len(raised) == 1 and type(raised[0]) is cs.CaptureError, raised
+    assert "legacy default stream (1) cannot be used" in str(raised[0])
+
+
 def test_holds_made_and_released_during_another_streams_capture_leave_it_valid(
     ops: DeviceOps, backend: cs.Backend
 ) -> None:

@@ -210,6 +210,27 @@ def _graph_replayed_again_unordered() -> None:
     x.to_host()  # the second replay was not
 
 
+def _launched_into_a_capture(x: Any, on: cs.Stream) -> cs.Stream:
+    """``x``'s write, captured in a graph that is launched into a second
+    capture (a child graph: nothing runs there), whose graph runs on ``on``.
+    Returns the stream of the second capture."""
+    backend, inner_on = cs.current_backend(), cs.Stream()
+    inner = _captured_write(x)
+    backend.begin_capture(inner_on.handle, "relaxed")
+    try:
+        backend.launch_graph(inner, inner_on.handle)
+    finally:
+        outer = backend.end_capture(inner_on.handle)
+    backend.launch_graph(backend.instantiate_graph(outer), on.handle)
+    return inner_on
+
+
+def _graph_in_a_graph_unordered() -> None:
+    on, x = cs.Stream(), sim.empty(64)
+    _launched_into_a_capture(x, on).synchronize()  # (the child ran on none of it)
+    x.to_host()  # the outer graph's replay on ``on`` was not waited for
+
+
 RACY: dict[str, tuple[Callable[[], None], str]] = {
     "missing wait": (_missing_wait, "stream"),
     "host read before sync": (_host_read_before_sync, "to_host"),
@@ -230,6 +251,7 @@ RACY: dict[str, tuple[Callable[[], None], str]] = {
     "handle 2 of two threads": (_per_thread_streams_of_two_threads, "per-thread default"),
     "fan-out, one reader not waiting": (_fan_out_with_one_reader_not_waiting, "kernel 'r'"),
     "graph replayed again, not waited for": (_graph_replayed_again_unordered, "graph replay"),
+    "graph in a graph, not waited for": (_graph_in_a_graph_unordered, "graph replay"),
 }
 
 
@@ -400,6 +422,24 @@ def _graph_replay_waited_for() -> None:
     r(b, x)
 
 
+def _graph_in_a_graph_waited_for() -> None:
+    """Its accesses are the outer graph's, checked where that one runs."""
+    on, x = cs.Stream(), sim.empty(64)
+    _launched_into_a_capture(x, on)
+    on.synchronize()
+    x.to_host()
+
+
+def _one_graph_launched_on_two_streams() -> None:
+    """cudaGraphLaunch orders each launch of an executable behind its earlier ones."""
+    backend, a, b, x = cs.current_backend(), cs.Stream(), cs.Stream(), sim.empty(64)
+    graph = _captured_write(x)
+    backend.launch_graph(graph, a.handle)
+    backend.launch_graph(graph, b.handle)  # (a write after the first launch's write)
+    b.synchronize()
+    x.to_host()  # after both: the second one follows the first
+
+
 CLEAN: dict[str, Callable[[], None]] = {
     "event-ordered streams": _event_ordered,
     "host sync": _host_sync,
@@ -410,6 +450,8 @@ CLEAN: dict[str, Callable[[], None]] = {
     "every consume mode": lambda: anyio.run(_every_consume_mode),
     "cross-device wait": _cross_device_wait,
     "graph replay waited for": _graph_replay_waited_for,
+    "graph in a graph, waited for": _graph_in_a_graph_waited_for,
+    "one graph launched on two streams": _one_graph_launched_on_two_streams,
     "host threads: queue, event, futures, join": _thread_handoffs,
     "host threads: asyncio and anyio to_thread": lambda: asyncio.run(_to_thread_handoffs()),
 }
@@ -441,6 +483,34 @@ def test_sanitize_nests_and_restores() -> None:
     backend = cs.current_backend()
     with cs.sanitize(False):
         assert "record" not in vars(backend)  # nothing is paid when it is off
+
+
+@pytest.mark.parametrize("freed", [True, False], ids=["freed", "control"])
+def test_a_launch_of_a_graph_over_freed_memory_is_named(freed: bool) -> None:
+    """A graph keeps raw pointers: its array freed after the capture (the
+    block maybe handed to a new array), a launch writes memory that is gone or
+    a new owner's. HazardError at the launch, before it runs; the control
+    keeps the array."""
+    import gc
+
+    backend, on = cs.current_backend(), cs.Stream()
+    x = sim.asarray(np.zeros(64, np.float32))
+    graph = _captured_write(x)
+    address = x.ptr
+    if freed:
+        del x
+        gc.collect()
+        z = sim.asarray(np.full(64, 5.0, np.float32))  # (the block may be handed to it)
+        with pytest.raises(cs.HazardError, match="memory freed since the capture") as info:
+            backend.launch_graph(graph, on.handle)
+        assert f"{address:#x}" in str(info.value) and HERE in str(info.value)
+        on.synchronize()
+        assert (z.to_host() == 5.0).all()  # never launched
+    else:
+        backend.launch_graph(graph, on.handle)
+        on.synchronize()
+        assert (x.to_host() == 1.0).all()
+    backend.destroy_graph_exec(graph)
 
 
 def test_freed_memory_is_forgotten() -> None:

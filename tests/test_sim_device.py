@@ -420,7 +420,7 @@ def test_graph_replay_runs_unordered_branches_in_varying_orders() -> None:
     other = cs.Stream()
     seen: list[str] = []
     event = backend.create_event()
-    with cs.sanitize(False):  # the sanitizer does not model graphs yet
+    with cs.sanitize(False):  # raw backend calls: this checks the simulator alone
         backend.begin_capture(s.handle, "global")
         backend.record(event, s.handle)
         backend.stream_wait_event(other.handle, event)  # fork

@@ -1,0 +1,202 @@
+"""A capture that ends while a block (or a consumer's read) on its stream is open.
+
+The block's work from inside the capture is in the graph, but the block's
+record comes at its end, after the capture: an ordinary record, which orders
+nothing about a launch. ``end_capture`` hands such buffers to the graph, so
+each launch is ordered like a block on the launch stream. Each test proves it
+with data: a slow captured kernel, a launch, then a consumer (or a writer)
+that must wait for the launch. Its control is the same program with that
+step undone (``_capture._note_open_on`` a no-op, as before the fix): the
+consumer reads the old data, or the writer overwrites what the graph was
+about to read. The fixed runs are sanitized: the sanitizer checks each
+replay on the stream it is launched on, and stays silent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams import _capture, sim
+
+SLOW = 0.2  # seconds a captured kernel runs at each launch
+
+
+@pytest.fixture(autouse=True)
+def _sim() -> None:
+    cs.use_backend("sim")
+
+
+@contextlib.contextmanager
+def _as_fixed(fixed: bool, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Sanitized when ``fixed``; else the control: the open blocks and reads
+    on a capture's stream are not handed to its graph."""
+    if not fixed:
+        monkeypatch.setattr(_capture, "_note_open_on", lambda capture, key: None)
+    with cs.sanitize(fixed):
+        yield
+
+
+def _fill(value: float) -> Any:
+    def fill(a: Any) -> None:
+        a[...] = value
+
+    return fill
+
+
+def _copy(dst: Any, src: Any) -> None:
+    dst[...] = src
+
+
+def _consumed(x: Any) -> Any:
+    """What a host consumer of ``x`` sees (a copy, taken when the consume returns)."""
+    got = sim._numpy_view(cs.consume_blocking(x, timeout=10))
+    assert got is not None
+    return got.copy()
+
+
+@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+@pytest.mark.parametrize("fixed", [True, False], ids=["noted", "control"])
+def test_a_capture_inside_a_writing_block_orders_the_next_consumer_after_each_launch(
+    mode: str, fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s, launch_on = cs.Stream(), cs.Stream()
+    x = sim.asarray(np.zeros(4, np.float32))
+    tx = cs.track(x)
+    with _as_fixed(fixed, monkeypatch):
+        with tx.writing(s):
+            s.begin_capture(mode)
+            sim.launch(s, _fill(9.0), x, writes=[x], duration=SLOW)
+            graph = s.end_capture()
+        graph.launch(launch_on)
+        got = _consumed(x)
+        launch_on.synchronize()
+    graph.close()
+    assert (got == (9.0 if fixed else 0.0)).all(), got
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["noted", "control"])
+def test_a_block_opened_in_a_capture_and_ended_after_it_orders_the_next_consumer(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s, launch_on = cs.Stream(), cs.Stream()
+    x = sim.asarray(np.zeros(4, np.float32))
+    tx = cs.track(x)
+    with _as_fixed(fixed, monkeypatch):
+        s.begin_capture("global")
+        with tx.writing(s):
+            sim.launch(s, _fill(9.0), x, writes=[x], duration=SLOW)
+            graph = s.end_capture()
+        graph.launch(launch_on)
+        got = _consumed(x)
+        launch_on.synchronize()
+    graph.close()
+    assert (got == (9.0 if fixed else 0.0)).all(), got
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["noted", "control"])
+def test_a_capture_inside_a_reading_block_orders_the_next_writer_after_each_launch(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Write after read: the graph's read of ``x`` comes before the writer's fill."""
+    s, launch_on, w = cs.Stream(), cs.Stream(), cs.Stream()
+    x = sim.asarray(np.full(4, 5.0, np.float32))
+    out = sim.asarray(np.zeros(4, np.float32))
+    tx = cs.track(x)
+    with _as_fixed(fixed, monkeypatch):
+        with tx.reading(s):
+            s.begin_capture("global")
+            sim.launch(s, _copy, out, x, reads=[x], writes=[out], duration=SLOW)
+            graph = s.end_capture()
+        graph.launch(launch_on)
+        with tx.writing(w):
+            sim.launch(w, _fill(7.0), x, writes=[x])
+        launch_on.synchronize()
+        w.synchronize()
+    graph.close()
+    assert (out.to_host() == (5.0 if fixed else 7.0)).all()
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["noted", "control"])
+def test_a_capture_after_a_consume_onto_its_stream_orders_the_next_writer_after_each_launch(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``consume(x, stream=s)``, then a capture on ``s`` reads the view: the
+    consumer's read is still open on ``s`` when the capture ends."""
+    s, launch_on, w = cs.Stream(), cs.Stream(), cs.Stream()
+    x = sim.asarray(np.full(4, 5.0, np.float32))
+    out = sim.asarray(np.zeros(4, np.float32))
+    tx = cs.track(x)
+    with _as_fixed(fixed, monkeypatch):
+        view = cs.consume_blocking(tx, stream=s, timeout=10)
+        s.begin_capture("global")
+        sim.launch(s, _copy, out, view, reads=[view], writes=[out], duration=SLOW)
+        graph = s.end_capture()
+        graph.launch(launch_on)
+        with tx.writing(w):
+            sim.launch(w, _fill(7.0), x, writes=[x])
+        launch_on.synchronize()
+        w.synchronize()
+    graph.close()
+    assert (out.to_host() == (5.0 if fixed else 7.0)).all()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fixed", [True, False], ids=["noted", "control"])
+async def test_a_capture_inside_a_consuming_body_orders_the_next_writer_after_each_launch(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s, launch_on, w = cs.Stream(), cs.Stream(), cs.Stream()
+    x = sim.asarray(np.full(4, 5.0, np.float32))
+    out = sim.asarray(np.zeros(4, np.float32))
+    tx = cs.track(x)
+    with _as_fixed(fixed, monkeypatch):
+        async with cs.consuming(tx, stream=s, timeout=10) as view:
+            s.begin_capture("global")
+            sim.launch(s, _copy, out, view, reads=[view], writes=[out], duration=SLOW)
+            graph = s.end_capture()
+        graph.launch(launch_on)
+        with tx.writing(w):
+            sim.launch(w, _fill(7.0), x, writes=[x])
+        await anyio.to_thread.run_sync(launch_on.synchronize)
+        w.synchronize()
+    graph.close()
+    assert (out.to_host() == (5.0 if fixed else 7.0)).all()
+
+
+@pytest.mark.parametrize("waited", [True, False], ids=["consumed", "control"])
+def test_a_stream_of_another_device_forked_into_a_capture_hands_its_array_to_the_graph(
+    waited: bool,
+) -> None:
+    """The capture begins on device 0; a stream of device 1 joins it through
+    an event and writes an array of device 1 there. A host consumer after the
+    launch waits for it (the array was noted only for captures of its own
+    device). Control: a read right after the launch, with no consume, sees
+    the old data (the launch is still running then)."""
+    backend = cs.current_backend()
+    if backend.device_count() < 2:
+        pytest.skip("needs two simulated devices")
+    s, side, launch_on = cs.Stream(device=0), cs.Stream(device=1), cs.Stream(device=0)
+    x = sim.asarray(np.zeros(4, np.float32), device=1)
+    tx = cs.track(x)
+    with cs.sanitize(waited):
+        s.begin_capture("global")
+        side.wait(s.record())  # (side joins the capture)
+        with tx.writing(side):
+            sim.launch(side, _fill(9.0), x, writes=[x], duration=SLOW)
+        s.wait(side.record())  # (and is joined back)
+        graph = s.end_capture()
+        graph.launch(launch_on)
+        if waited:
+            got = _consumed(x)
+        else:
+            got = np.array(sim._numpy_view(x))
+        launch_on.synchronize()
+    graph.close()
+    assert (got == (9.0 if waited else 0.0)).all(), got
