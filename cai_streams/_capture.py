@@ -24,6 +24,7 @@ from ._capture_guard import capturing
 from ._errors import CudaError, CudaWarning
 from ._identity import StreamId
 from ._stream import Stream, as_stream
+from ._unique import Unique
 
 __all__ = ["Graph", "GraphState", "begin_capture", "end_capture", "note_captured"]
 
@@ -156,7 +157,7 @@ class GraphState(enum.Enum):
     CLOSED = "closed"
 
 
-class Graph:
+class Graph(Unique):
     """The work captured between :meth:`Stream.begin_capture` and
     :meth:`Stream.end_capture`, to replay with :meth:`launch`.
 

@@ -16,6 +16,7 @@ from typing import Any, Final
 import numpy as np
 
 from ._errors import InterfaceError
+from ._unique import Unique
 
 __all__ = ["ArrayView", "c_strides", "is_c_contiguous", "parse", "stream_of", "v3_dict"]
 
@@ -71,7 +72,7 @@ def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: 
     return True
 
 
-class _ViewSlots:
+class _ViewSlots(Unique):
     """The storage of an :class:`ArrayView`: plain slots, so that filling in a
     new view is fifteen specialized stores (see :func:`_make`)."""
 

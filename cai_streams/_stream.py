@@ -33,6 +33,7 @@ from ._identity import (
     thread_serial,
 )
 from ._poller import wait_for_event
+from ._unique import Unique
 
 if TYPE_CHECKING:
     from ._capture import Graph
@@ -112,7 +113,7 @@ def _int_of(obj: object) -> int | None:
         return None
 
 
-class Stream:
+class Stream(Unique):
     """A CUDA stream on the backend that was current when it was made.
 
     ``Stream()`` owns a new non-blocking stream and destroys it on :meth:`close`
@@ -575,7 +576,7 @@ class _EventState(enum.Enum):
 _waits_lock = threading.Lock()
 
 
-class Event:
+class Event(Unique):
     """A point in a stream's work: complete once everything before it ran.
 
     Made by :meth:`Stream.record`; destroyed by :meth:`close` or when collected

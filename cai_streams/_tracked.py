@@ -28,6 +28,7 @@ from ._interface import ArrayView, byte_range, parse
 from ._pending import PendingWork
 from ._scheduler import export_stream_of, find_work, scheduler_for
 from ._stream import Stream, as_stream
+from ._unique import Unique
 
 __all__ = ["TrackedArray", "export", "lookup", "track"]
 
@@ -35,7 +36,7 @@ __all__ = ["TrackedArray", "export", "lookup", "track"]
 BLOCK_TIMEOUT: Final = 60.0
 
 
-class TrackedArray:
+class TrackedArray(Unique):
     """An array whose pending work is tracked across streams (see :func:`track`).
 
     ``array`` is the wrapped object, ``view`` its validated interface and
