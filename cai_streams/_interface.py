@@ -230,7 +230,9 @@ class ArrayView(_ViewSlots):
         view of a tracked array (``consume(t, stream=s)``), that array's
         pending writes, and the consumer's read counts for it. See
         :meth:`TrackedArray.__dlpack__ <cai_streams.TrackedArray.__dlpack__>`
-        for the other arguments. Only enqueues GPU work.
+        for the other arguments. Only enqueues GPU work; for a view of a
+        tracked array, waits only for another thread's open ``writing()``
+        block of that array (bounded).
         """
         from ._backend import current_backend
         from ._device import device_of
@@ -384,9 +386,11 @@ def _stream_entry(stream: object) -> int:
 
 
 def _is_int(value: object) -> bool:
+    """An int, or an integer of NumPy's, not a bool (a type that only has
+    ``__index__`` may not compare with ints: it is refused, naming the field)."""
     if type(value) is int:
         return True
-    return not isinstance(value, (bool, np.bool_)) and hasattr(type(value), "__index__")
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _read(obj: object) -> Any:
@@ -471,6 +475,11 @@ def stream_of(obj: object) -> int | None:
 def parse(obj: object) -> ArrayView:
     """Read and validate ``obj.__cuda_array_interface__`` (once). Does not block,
     enqueues nothing; ``view.stream`` says where pending work must be waited for.
+
+    Integers are ints or NumPy's integers; a ``mask`` must have the array's
+    shape (no broadcasting) and name no stream or the array's own (the one a
+    handoff waits for). Anything else raises :class:`InterfaceError` naming
+    the field, the value and what is expected.
     """
     if isinstance(obj, ArrayView):
         return obj
@@ -708,9 +717,18 @@ def _validate(obj: object, cai: Any, masking: tuple[int, ...]) -> ArrayView:
                     "mask", raw_mask, "a mask that is not the array, nor masks nested without end"
                 )
             mask = _parse(raw_mask, here)
-            if mask.shape != shape:
+            if mask.shape != shape:  # (no broadcasting: NumPy's masked arrays need none)
                 raise _bad(
                     "mask", raw_mask, f"a mask of the array's shape {shape}, not {mask.shape}"
+                )
+            if mask.stream is not None and mask.stream != stream:
+                # a handoff waits for the array's stream only: the mask's work
+                # elsewhere would be read before it is done
+                raise _bad(
+                    "mask",
+                    raw_mask,
+                    f"a mask whose interface names no stream or the array's own ({stream}), "
+                    f"not stream {mask.stream}: cai_streams waits for the array's stream only",
                 )
 
     if mask is None and 2 <= version and (descr is None or descr == [("", typestr)]):

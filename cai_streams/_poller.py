@@ -25,6 +25,7 @@ import asyncio
 import enum
 import functools
 import math
+import numbers
 import threading
 import time
 import weakref
@@ -566,10 +567,18 @@ async def policy_sleep(delay: float) -> None:
 
 
 def check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not (
-        isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout >= 0
-    ):
+    """ValueError unless ``timeout`` is None or a real number of seconds >= 0
+    (an int, a float, or NumPy's) that a float can hold (inf: no limit)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
         raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    try:
+        float(timeout)
+    except OverflowError:
+        raise ValueError(
+            f"timeout {timeout!r} is too large for a float: give None (or math.inf) for no limit"
+        ) from None
 
 
 async def wait_for_events(

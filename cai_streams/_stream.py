@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import numbers
 import sys
 import threading
 import warnings
@@ -68,8 +69,8 @@ def stream_handle_of(obj: object) -> int:
     """
     if isinstance(obj, Stream):
         return obj.handle
-    if isinstance(obj, int) and not isinstance(obj, bool):
-        handle = _checked_handle(obj, "a stream handle")
+    if isinstance(obj, numbers.Integral) and not isinstance(obj, bool):
+        handle = _checked_handle(int(obj), "a stream handle")  # (NumPy's integers too)
         if handle == 0:
             raise ValueError(
                 "stream handle 0 is ambiguous: use 1 for the legacy default stream, "

@@ -60,10 +60,14 @@ class Trace(Observer):
     def name_stream(self, stream: Any, label: str) -> None:
         """Show ``stream`` (a Stream, or a handle on the current backend) as
         ``label`` on its track."""
-        if isinstance(stream, int):
-            key = stream_id_now(current_backend(), stream)
-        else:
+        from ._stream import Stream, as_stream, stream_handle_of  # late: it imports much
+
+        if isinstance(stream, Stream):
             key = stream._key()
+        elif isinstance(stream, int) and not isinstance(stream, bool):
+            key = stream_id_now(current_backend(), stream_handle_of(stream))
+        else:  # (anything Stream.wrap takes; TypeError for what it does not)
+            key = as_stream(stream, current_backend())._key()
         self._labels[key] = f"{label} ({key.handle:#x})"
 
     def _track(self, key: StreamId) -> str:

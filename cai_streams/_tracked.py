@@ -84,9 +84,16 @@ class TrackedArray(Unique):
 
         Only enqueues GPU work. If another thread has a conflicting block of
         this array open, waits for it to end (bounded); inside your own block,
-        what it enqueued so far counts.
+        what it enqueued so far counts. A read-only array (its interface's
+        ``data`` says so, as JAX's do) raises ValueError.
         """
         s = as_stream(stream, self._work.backend)
+        if self._work.layout.readonly:
+            raise ValueError(
+                f"writing() of a read-only array ({type(self.array).__qualname__}: its "
+                "__cuda_array_interface__ data[1] is True): its producer does not allow "
+                "writes; copy it to a writable array, or use reading()"
+            )
         block = _enter(self._work, Kind.WRITE, disjoint, s, "writing()")
         try:
             yield self
@@ -165,7 +172,8 @@ class TrackedArray(Unique):
         return (2, self._work.device)
 
     def pending_streams(self) -> dict[str, list[int]]:
-        """Stream handles with pending writes and reads (for inspection)."""
+        """Stream handles with pending writes and reads (for inspection). Does
+        not block: takes the array's lock only as long as bookkeeping takes."""
         return self._work.pending_streams()
 
     def __repr__(self) -> str:
@@ -203,12 +211,13 @@ def _sync_handoff(attempt: Any, what: str) -> Any:
 
 
 def _export_work(work: PendingWork, stream: object) -> dict[str, Any]:
+    given = _given(stream, work.backend)
     cai = work.layout.__cuda_array_interface__
     if not settings.export_stream:  # None always: not the stream the array was tracked on
         cai["stream"] = None
         return cai
-    if stream is not None:
-        cai["stream"] = _export_onto(work, as_stream(stream, work.backend))
+    if given is not None:
+        cai["stream"] = _export_onto(work, given)
         return cai
     x = export_stream_of(work)
     try:
@@ -219,6 +228,16 @@ def _export_work(work: PendingWork, stream: object) -> dict[str, Any]:
         # closed meanwhile, in another thread: the shared export stream takes it
         cai["stream"] = _export_onto(work, export_stream_of(work))
     return cai
+
+
+def _given(stream: object, backend: Backend) -> Stream | None:
+    """An export's ``stream`` argument, checked whether or not anything is
+    pending (a closed Stream raises ValueError, as a wrong type TypeError)."""
+    if stream is None:
+        return None
+    s = as_stream(stream, backend)
+    s.handle  # noqa: B018 - (a closed Stream raises)
+    return s
 
 
 def _export_onto(work: PendingWork, x: Stream) -> int | None:
@@ -364,12 +383,13 @@ def export(obj: object, *, stream: object = None) -> dict[str, Any]:
     if found is not None:
         return _export_work(found[0], stream)
     view = parse(obj)
+    given = _given(stream, backend)
     cai = view.__cuda_array_interface__  # (a copy: no throwaway view, which would
     cai["stream"] = None  # join a lease of a view handed to a stream)
     if not settings.export_stream or view.stream is None:
         return cai
     sched = scheduler_for(backend, device_of(backend, view))  # the array's device
-    x = sched.export_stream if stream is None else as_stream(stream, backend)
+    x = sched.export_stream if given is None else given
     sched.counters.add(exports=1)
     producer = view_stream_id(backend, view)
     if producer != x._key():

@@ -153,7 +153,8 @@ class SimArray:
         ``stream`` (the array API standard's values; -1: no synchronization),
         or, for an array tracked with :func:`cai_streams.track`, its pending
         writes, as the TrackedArray's ``__dlpack__`` does. Only enqueues
-        simulated work."""
+        simulated work; for a tracked array, waits only for another thread's
+        open ``writing()`` block of it (bounded)."""
         from ._tracked import dlpack_join  # (tracked state sits above the simulator)
 
         backend = _simulator()

@@ -46,6 +46,27 @@ def test_plot_without_matplotlib_says_what_to_install(
         recording.plot(tmp_path / "x.png")
 
 
+def test_name_stream_takes_what_stream_wrap_takes_and_refuses_the_rest() -> None:
+    """A str raised AttributeError from inside; a stream object of another
+    kind (``__cuda_stream__``) was refused the same way."""
+
+    class Foreign:
+        def __init__(self, handle: int) -> None:
+            self.handle = handle
+
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, self.handle)
+
+    cs.use_backend("sim")
+    s = cs.Stream()
+    with cs.trace() as recording:
+        recording.name_stream(Foreign(s.handle), "mine")
+        recording.name_stream(1, "legacy")
+        with pytest.raises(TypeError, match="cannot use str as a stream"):
+            recording.name_stream("x", "label")
+    assert "mine (" in recording._track(s._key())
+
+
 @pytest.mark.parametrize("option", ["--batches", "--buffers"])
 def test_demo_rejects_bad_counts(option: str) -> None:
     with pytest.raises(SystemExit) as info:

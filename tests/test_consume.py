@@ -625,6 +625,7 @@ def test_consume_blocking(ops: DeviceOps) -> None:
         ({"timeout": -1}, ValueError),
         ({"timeout": float("nan")}, ValueError),
         ({"timeout": "1"}, ValueError),
+        ({"timeout": 10**400}, ValueError),  # (an OverflowError, from deep inside)
         ({"sync": 1}, TypeError),
         ({"stream": 0}, ValueError),
         ({"stream": "s"}, TypeError),
@@ -637,6 +638,14 @@ def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception]) -> None:
         cs.consume_blocking(arr, **kwargs)
     with pytest.raises(error):
         anyio.run(lambda: cs.consume(arr, **kwargs))
+
+
+def test_numpy_numbers_are_timeouts() -> None:
+    """A NumPy float32 or int is a number of seconds (float32 was refused)."""
+    cs.use_backend("sim")
+    arr = sim.empty(4)
+    for timeout in (np.float32(5), np.int64(5), np.float64(5)):
+        assert cs.consume_blocking(arr, timeout=timeout).stream is None
 
 
 def test_not_an_array() -> None:

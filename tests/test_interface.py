@@ -73,6 +73,7 @@ VALID: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("numpy ints", cai(shape=(np.int64(2),), data=(np.uint64(PTR), False)), {"shape": (2,)}),
     ("unknown keys", cai(extra="ignored"), {}),
     ("mask", cai(mask=MASK), {}),
+    ("mask on the array's stream", cai(stream=7, mask=Exports(cai(typestr="|b1", stream=7))), {}),
     ("big endian", cai(typestr=">i8"), {"dtype": np.dtype(">i8")}),
     ("datetime", cai(typestr="<M8[ns]"), {"dtype": np.dtype("<M8[ns]")}),
     ("structured", cai(typestr="|V8", descr=[("a", "<f4"), ("b", "<i4")]), {"nbytes": 96}),
@@ -101,6 +102,17 @@ def test_valid(label: str, entry: dict[str, Any], expected: dict[str, Any]) -> N
 def test_v0_dictionary_like() -> None:
     view = parse(Exports(DictLike(cai(version=0))))
     assert view.version == 0 and view.shape == (4, 3)
+
+
+class IndexOnly:
+    """An integer-like type with ``__index__`` and no comparisons: validation
+    compared it with ints (a TypeError from inside the library)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
 
 
 INVALID: list[tuple[str, Any, str]] = [
@@ -142,6 +154,16 @@ INVALID: list[tuple[str, Any, str]] = [
     ("stream float", cai(stream=1.0), "'stream'"),
     ("mask shape", cai(mask=Exports(cai(shape=(3,), typestr="|b1"))), "mask of the array's shape"),
     ("mask plain", cai(mask=[True] * 12), "'mask'"),
+    (
+        "mask with a stream of its own",
+        cai(mask=Exports(cai(typestr="|b1", stream=7))),
+        "names no stream or the array's own \\(None\\), not stream 7",
+    ),
+    ("version index-only", cai(version=IndexOnly(3)), "'version'"),
+    ("shape index-only", cai(shape=(IndexOnly(4), 3)), "'shape'"),
+    ("data index-only", cai(data=(IndexOnly(PTR), False)), "'data'"),
+    ("strides index-only", cai(strides=(IndexOnly(12), 4)), "'strides'"),
+    ("stream index-only", cai(stream=IndexOnly(5)), "'stream'"),
 ]
 
 

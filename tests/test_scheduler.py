@@ -458,6 +458,54 @@ def test_writing_rejects_what_is_not_a_stream() -> None:
             pass
 
 
+class _ReadOnly:
+    """A read-only producer, as a JAX array is: ``data`` is ``(ptr, True)``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        cai = dict(self.inner.__cuda_array_interface__)
+        cai["data"] = (cai["data"][0], True)
+        return cai
+
+
+def test_writing_a_read_only_array_is_refused_and_reading_it_is_not() -> None:
+    """It was accepted, and the data written."""
+    t = cs.track(_ReadOnly(sim.empty(4)))
+    s = cs.Stream()
+    with pytest.raises(ValueError, match=r"writing\(\) of a read-only array \(_ReadOnly"):
+        with t.writing(s):
+            pytest.fail("the block ran")
+    with t.reading(s):
+        pass
+    assert t.pending_streams()["writes"] == []
+
+
+@pytest.mark.parametrize("tracked", [True, False])
+@pytest.mark.parametrize("export_stream", [True, False], ids=["exporting", "opted out"])
+def test_export_checks_its_stream_whether_or_not_anything_is_pending(
+    tracked: bool, export_stream: bool
+) -> None:
+    """An untracked array with nothing pending, or the export-stream opt-out,
+    returned before the stream was looked at: any value was accepted."""
+    cs.configure(export_stream=export_stream)
+    a = sim.empty(4)
+    obj: Any = cs.track(a) if tracked else a
+    closed = cs.Stream()
+    closed.close()
+    for bad, error in [
+        ("nope", TypeError),
+        (1.5, TypeError),
+        (0, ValueError),
+        (closed, ValueError),
+    ]:
+        with pytest.raises(error):
+            cs.export(obj, stream=bad)
+    assert cs.export(obj, stream=cs.Stream())["stream"] is None  # (nothing pending)
+
+
 @pytest.mark.parametrize("nested", [True, False])
 def test_a_block_nested_in_its_own_thread_sees_the_outer_blocks_work(nested: bool) -> None:
     """Inside its own writing() block, a thread's reading() (or export) counts

@@ -46,6 +46,13 @@ def test_environment_chooses() -> None:
     assert out.stdout.strip() == "sim"
     bad = _run("import cai_streams as cs; cs.current_backend()", CAI_STREAMS_BACKEND="opencl")
     assert bad.returncode != 0 and "expected one of sim, cuda" in bad.stderr
+    caught = _run(  # a ValueError, as docs/testing.md says of every switch (and the library's)
+        "import cai_streams as cs\n"
+        "try:\n    cs.current_backend()\n"
+        "except ValueError as exc:\n    print(isinstance(exc, cs.CaiStreamsError))",
+        CAI_STREAMS_BACKEND="opencl",
+    )
+    assert caught.stdout.strip() == "True", caught.stderr
 
 
 def test_requesting_cuda_without_a_device_says_why() -> None:

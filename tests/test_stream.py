@@ -7,6 +7,7 @@ import warnings
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 import cai_streams as cs
@@ -86,6 +87,16 @@ def test_wrap_cuda_bindings_handle(backend: cs.Backend) -> None:
 def test_wrap_rejects_bad_input(bad: object, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         cs.Stream.wrap(bad)
+
+
+def test_wrap_takes_numpy_integers_as_handles() -> None:
+    """An int64 handle (as read from a NumPy array or a ctypes struct) names
+    the same stream as the int (it was refused: TypeError)."""
+    owner = cs.Stream()
+    assert cs.Stream.wrap(np.int64(owner.handle)) == owner
+    assert cs.Stream.wrap(np.uint64(1)).handle == 1
+    with pytest.raises(ValueError, match="ambiguous"):
+        cs.Stream.wrap(np.int32(0))
 
 
 def test_wrap_rejects_bad_protocol_results() -> None:

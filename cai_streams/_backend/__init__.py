@@ -298,6 +298,11 @@ def current_backend() -> Backend:
     return _select_default()
 
 
+class _BadSwitch(CaiStreamsError, ValueError):
+    """A malformed ``CAI_STREAMS_BACKEND``: a ValueError naming it, as for every
+    environment switch, and one of the library's errors."""
+
+
 def _select_default() -> Backend:
     global _current
     with _lock:
@@ -307,8 +312,8 @@ def _select_default() -> Backend:
 
         try:
             requested = backend_name(BACKEND_NAMES)
-        except ValueError as exc:
-            raise CaiStreamsError(str(exc)) from None
+        except ValueError as exc:  # (a ValueError, as for every environment switch)
+            raise _BadSwitch(str(exc)) from None
         if requested is not None:
             _current = _instance(requested)
             return _current
