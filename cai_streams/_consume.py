@@ -416,9 +416,19 @@ class _Ready(_Handoff):
 
 
 class _DLPackHost(_UntrackedHost):
-    """The view names the export stream, onto which ``__dlpack__`` joined."""
+    """The view names a landing stream of the scheduler's (``landing``), onto
+    which ``__dlpack__`` joined; it goes back to the scheduler when finished."""
 
     mode = Mode.DLPACK_HOST
+    landing: Stream | None = None
+
+    def finish(self, *, complete: bool) -> None:
+        try:
+            super().finish(complete=complete)
+        finally:
+            landing, self.landing = self.landing, None
+            if landing is not None:
+                self.sched.landed(landing)
 
 
 class _DLPackEnqueue(_Handoff):
@@ -512,10 +522,17 @@ def _tracked_host(t: TrackedArray, sync: object, backend: Backend) -> ArrayView 
 def _dlpack_handoff(obj: object, s: Stream | None, synced: bool, backend: Backend) -> _Handoff:
     sched = scheduler_for(backend, cuda_device_of(obj))  # the export stream of its device
     mode = plan(tracked=False, producer_stream=None, stream=s, synced=synced, dlpack=True)
-    if mode is Mode.DLPACK_HOST:
-        view = take(obj, sched.export_stream.handle)
-    else:
-        view = take(obj, s.handle if mode is Mode.DLPACK_ENQUEUE and s is not None else None)
+    if mode is Mode.DLPACK_HOST:  # (a stream of its own: see Scheduler.landing)
+        landing = sched.landing()
+        try:
+            view = take(obj, landing.handle)
+        except BaseException:
+            sched.landed(landing)
+            raise
+        row = _DLPackHost(sched, view, s)
+        row.landing = landing
+        return row
+    view = take(obj, s.handle if mode is Mode.DLPACK_ENQUEUE and s is not None else None)
     return _ROWS[mode](sched, view, s)
 
 

@@ -50,6 +50,9 @@ class Scheduler:
         #: until then the orphans are not asked again (one's record met a capture)
         self._orphans_paused_until = 0.0
         self._export_stream: Stream | None = None
+        #: streams of this device the library made for DLPack host consumes,
+        #: kept for the next (see :meth:`landing`)
+        self._landings: deque[Stream] = deque()
 
     @property
     def export_stream(self) -> Stream:
@@ -60,6 +63,36 @@ class Scheduler:
                     self._export_stream = Stream(self.device)
                 stream = self._export_stream
         return stream
+
+    def landing(self) -> Stream:
+        """A stream of this device with nothing pending, for one DLPack host
+        consume: the producer's ``__dlpack__`` orders it after its work, and
+        the host waits for that alone (the shared export stream also carries
+        every tracked export's joins, and is never idle right after one). A
+        kept one that a query finds idle, else a new one; give it back with
+        :meth:`landed`. Does not block (a query per kept stream at most)."""
+        for _ in range(len(self._landings)):
+            with self.lock:
+                if not self._landings:
+                    break
+                s = self._landings.popleft()
+            try:
+                idle = _capture_guard.stream_idle(self.backend, s._key())
+            except CudaError:  # (a fault its wait saw: let it go, with its error)
+                continue
+            if idle:
+                return s
+            with self.lock:  # (still busy: a timed-out or cancelled consume's)
+                self._landings.append(s)
+        return Stream(self.device)
+
+    def landed(self, s: Stream) -> None:
+        """``s``, from :meth:`landing`, is free again (its work may still run)."""
+        with self.lock:
+            if len(self._landings) < MAX_LANDINGS:
+                self._landings.append(s)
+                return
+        s.close()  # (what it has enqueued still runs)
 
     def join(
         self,
@@ -209,6 +242,8 @@ class Scheduler:
 #: seconds the orphans of a registry are left alone after one's record met a
 #: graph capture (they are asked on every lookup otherwise: settle, raise)
 ORPHAN_PAUSE: Final = 0.005
+#: streams :meth:`Scheduler.landing` keeps per device; beyond, they are closed
+MAX_LANDINGS: Final = 8
 
 _schedulers: dict[tuple[Backend, int], Scheduler] = {}
 _schedulers_lock = threading.Lock()

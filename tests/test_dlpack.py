@@ -10,6 +10,7 @@ where it was, with no deleter call for a tensor already deleted.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import gc
 import sys
@@ -544,8 +545,10 @@ async def test_each_dlpack_row(row: Mode, exports: None) -> None:
     try:
         if row is Mode.DLPACK_HOST:
             view = await consume_after_latch(obj, latch)
-            export_stream = cs._scheduler.scheduler_for(cs.current_backend()).export_stream
-            assert obj.calls[0]["stream"] == export_stream.handle
+            sched = cs._scheduler.scheduler_for(cs.current_backend())
+            landed = [s.handle for s in sched._landings]  # (given back: kept for the next)
+            assert obj.calls[0]["stream"] in landed
+            assert obj.calls[0]["stream"] != sched.export_stream.handle
             assert view.stream is None and (ops.to_host(arr) == 3.0).all()
             return
         with cs.sanitize(synced):  # the opt-out races on purpose
@@ -821,6 +824,44 @@ def test_a_capsule_on_another_device_than_dlpack_device_says_is_refused(
     assert len(odd.calls) == 1
     gc.collect()
     assert sys.getrefcount(inner) == before
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["landing stream", "control"])
+def test_a_dlpack_host_consume_waits_for_its_producer_only(
+    exports: None, own: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another tracked array's slow write, exported: a host consume of a
+    DLPack producer whose work is long done returns at once, and its landing
+    stream is kept for the next one. The control lands on the device's shared
+    export stream (as before), which waits for that unrelated write: the
+    consume times out."""
+    sched = cs._scheduler.scheduler_for(cs.current_backend())
+    monkeypatch.setattr(sched, "_landings", collections.deque())  # (none kept by earlier tests)
+    if not own:
+        monkeypatch.setattr(type(sched), "landing", lambda self: self.export_stream)
+        monkeypatch.setattr(type(sched), "landed", lambda self, s: None)
+    fast = cs.Stream()
+    a = sim.asarray(np.arange(4, dtype=np.float32))
+    a.stream = fast.handle
+    sim.launch(fast, lambda v: v.__imul__(2), a, writes=[a])
+    fast.synchronize()
+    slow = cs.Stream()
+    other = cs.track(sim.empty(64))
+    with other.writing(slow):
+        sim.launch(slow, lambda v: v.fill(1), other.array, writes=[other.array], duration=1.0)
+    other.__cuda_array_interface__  # noqa: B018 - joins the slow write onto the export stream
+    producer = DLPackOnly(a)
+    if own:
+        for _ in range(3):
+            view = cs.consume_blocking(producer, timeout=0.5, protocol="dlpack")
+            got = sim._numpy_view(view)
+            assert got is not None and (got == [0, 2, 4, 6]).all()
+        assert len({call["stream"] for call in producer.calls}) == 1  # taken and given back
+        del view, got
+    else:
+        with pytest.raises(TimeoutError):
+            cs.consume_blocking(producer, timeout=0.2, protocol="dlpack")
+    slow.synchronize()
 
 
 def test_a_torch_cpu_tensor_is_refused() -> None:
