@@ -263,6 +263,9 @@ class _TrackedEnqueue(_Tracked):
 
 class _TrackedOptOut(_Tracked):
     mode = Mode.TRACKED_OPT_OUT
+    #: synchronization is the caller's, but a view handed to ``stream=s`` still
+    #: keeps its owner until ``s`` passes the work enqueued while it is in use
+    to_stream = True
 
     def begin(self, me: Owner) -> Blocked | None:
         if not settings.export_stream:
@@ -398,6 +401,7 @@ class _UntrackedEnqueue(_Handoff):
 
 class _UntrackedOptOut(_Handoff):
     mode = Mode.UNTRACKED_OPT_OUT
+    to_stream = True  # (see _TrackedOptOut)
 
 
 class _Ready(_Handoff):
@@ -445,8 +449,9 @@ class _DLPackEnqueue(_Handoff):
 
 
 class _DLPackOptOut(_Ready):
-    mode = Mode.DLPACK_OPT_OUT
-    to_stream = False  # (a _Ready, but not a row that hands its view to the stream)
+    mode = (
+        Mode.DLPACK_OPT_OUT
+    )  # (a view handed to ``stream=s`` keeps its owner: see _TrackedOptOut)
 
 
 #: the ``me`` passed to the ``begin`` of rows that never look at it (``needs_owner``)

@@ -39,7 +39,7 @@ from ._deferred import in_collection, later, pending
 from ._deferred import run as run_deferred
 from ._errors import CudaError, HoldWarning, KernelError
 from ._events import EventPool, Mark
-from ._identity import StreamId
+from ._identity import StreamId, order_known
 from ._poller import pass_hooks
 
 __all__ = ["Hold", "HoldTable", "Ranges", "Settles", "table", "tick"]
@@ -227,8 +227,12 @@ class HoldTable:
         ``done``; returns the budget left, which only a query that finds a hold
         not done spends. Holds complete in record order, so the oldest are
         probed at doubling distances and each probe found done releases all up
-        to it: a backlog of n completed holds takes about log2(n) queries."""
+        to it: a backlog of n completed holds takes about log2(n) queries.
+        Where that order is not known (another library's stream, whose handle
+        may have been destroyed and given to a new one: ``order_known``), one
+        at a time, the oldest first: each released by its own query."""
         step = 1
+        doubling = bool(queue) and order_known(queue[0].mark.key)
         while queue:
             i = min(step, len(queue)) - 1
             if not self._complete(queue[i], modes):
@@ -239,7 +243,8 @@ class HoldTable:
                 return budget - 1
             for _ in range(i + 1):
                 done.append(queue.popleft())
-            step *= 2
+            if doubling:
+                step *= 2
         return budget
 
     @staticmethod

@@ -252,6 +252,16 @@ def is_open(key: StreamId) -> bool:
     return key.generation in _open_generations
 
 
+def order_known(key: StreamId) -> bool:
+    """Whether records on ``key``'s stream complete in the order the library
+    made them: a stream this library made (its generation tells it from a
+    later stream given its handle), or a default stream (1, 2). Another
+    library's handle may be destroyed and handed to a new stream behind the
+    library's back: then two streams share one key, and a record found
+    complete says nothing of an earlier one. Does not block."""
+    return key.generation != 0 or key.handle <= PER_THREAD_DEFAULT_STREAM
+
+
 def lifetime_of(backend: Backend, handle: int) -> Lifetime | None:
     """The open stream this library made with ``handle``, if there is one."""
     return _owned.get((backend_serial(backend), handle))

@@ -32,7 +32,7 @@ from ._blocks import Blocked, OpenBlock, Owner
 from ._capture_guard import StreamPhase
 from ._config import settings
 from ._device import OnDevice, view_stream_id
-from ._identity import Lifetime, StreamId, stream_id_now
+from ._identity import Lifetime, StreamId, order_known, stream_id_now
 from ._interface import ArrayView, byte_range, stream_of
 from ._stream import Stream
 
@@ -329,11 +329,14 @@ class PendingWork:
         ``capturing``: whether ``stream`` captures, if the caller just asked."""
         handle = stream.handle
         waited = elided = 0
-        accesses = [
-            a
-            for a in accesses
-            if a.state is not AccessState.RELEASED and a.key != key and key not in a.waited_by
-        ]
+        if order_known(key):
+            accesses = [
+                a
+                for a in accesses
+                if a.state is not AccessState.RELEASED and a.key != key and key not in a.waited_by
+            ]
+        else:  # another library's handle: maybe destroyed and given to this stream since
+            accesses = [a for a in accesses if a.state is not AccessState.RELEASED]
         needless: list[Access] = []
         if accesses:  # (the capture check costs a driver call: only when there is work)
             if capturing is None:

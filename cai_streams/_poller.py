@@ -51,6 +51,7 @@ from ._doorbell import (
     wants_doorbell,
 )
 from ._events import Mark
+from ._identity import StreamId, order_known
 from ._observe import saw_complete
 
 __all__ = ["PollPolicy", "poll_policy", "set_poll_policy", "wait_for_event", "wait_for_events"]
@@ -360,6 +361,11 @@ class _Poller:
                 continue  # all its waiters left, and a pass dropped it
             if sparse is None:
                 sparse = self._completed() >= _policy.cap
+            if isinstance(key, StreamId) and not order_known(key):
+                # (another library's handle, maybe destroyed and given to a new
+                # stream: the events before this one may be an old stream's)
+                queue.remove(entry)
+                queue.appendleft(entry)
             while queue:
                 head = queue.popleft()
                 if head.waiters and head.state is _State.WAITING:

@@ -218,6 +218,62 @@ def test_hold_refuses_bad_input_with_what_it_expected(backend: cs.Backend) -> No
         cs.hold(Owner(), until=s)
 
 
+@pytest.mark.parametrize("mode", ["blocking", "await"])
+@pytest.mark.parametrize("kind", ["untracked", "tracked", "dlpack"])
+@pytest.mark.parametrize("fixed", [True, False], ids=["kept", "control"])
+def test_sync_false_onto_a_stream_still_keeps_the_owner(
+    kind: str, fixed: bool, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``consume(x, stream=s, sync=False)``: synchronization with the producer
+    is the caller's, but the view handed to ``s`` keeps its owner until ``s``
+    passes a slow read of it, as with sync on (the owner was let go, and the
+    next allocation took its memory under the read). Control: the opt-out
+    rows as before, taking no lease."""
+    from cai_streams import _consume
+
+    cs.use_backend("sim")
+    if not fixed:
+        for row in (_consume._UntrackedOptOut, _consume._TrackedOptOut, _consume._DLPackOptOut):
+            monkeypatch.setattr(row, "to_stream", False)
+    producer, consumer = cs.Stream(), cs.Stream()
+    out = sim.empty(256, "float32")
+    a = sim.asarray(np.full(256, 1.0, np.float32))
+    obj: Any = a
+    if kind == "untracked":
+        a.stream = producer.handle
+    elif kind == "tracked":
+        obj = cs.track(a)
+        with obj.writing(producer):
+            pass
+    else:
+
+        class DLPackOnly:
+            def __init__(self, x: Any) -> None:
+                self.x = x
+
+            def __dlpack__(self, **kwargs: Any) -> Any:
+                return self.x.__dlpack__(**kwargs)
+
+            def __dlpack_device__(self) -> tuple[int, int]:
+                return self.x.__dlpack_device__()  # type: ignore[no-any-return]
+
+        obj = DLPackOnly(a)
+    with cs.sanitize(False):  # (the control frees under the read on purpose)
+        if mode == "blocking":
+            view = cs.consume_blocking(obj, stream=consumer, sync=False)
+        else:
+            view = anyio.run(lambda: cs.consume(obj, stream=consumer, sync=False))
+        sim.launch(consumer, lambda d, v: d.__setitem__(..., v), out, view, duration=0.2)
+        del view, obj, a
+        gc.collect()
+        for _ in range(3):
+            cs.stats()
+        b = sim.asarray(np.full(256, 2.0, np.float32))
+        consumer.synchronize()
+    assert (out.to_host() == (1.0 if fixed else 2.0)).all()
+    del b
+
+
 def test_hold_on_a_capturing_stream_raises_capture_error_and_the_capture_stays_valid(
     backend: cs.Backend,
 ) -> None:

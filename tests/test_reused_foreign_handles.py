@@ -1,0 +1,164 @@
+"""Another library's stream, destroyed while its work runs, and its handle
+handed to a new stream (CUDA recycles handles at once, as the simulator does).
+
+The library cannot tell the two streams apart: a bare handle (or a wrapper
+the user lets go) has one identity for both. So nothing is inferred from the
+order of their records (``_identity.order_known``): a hold or a waiter on the
+new stream found complete says nothing of one on the old stream, and a
+consumer on the new stream waits for a write on the old one. Each test proves
+it with data (a slow kernel on the old stream, still running), beside a
+control that infers as before (``order_known`` always True) and reads wrong
+data.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams import _hold_table, _pending, _poller, sim
+
+from .device_ops import SimOps
+
+N = 256
+SLOW = 0.3  # seconds the old stream's kernel runs after its handle was reused
+
+
+@pytest.fixture(autouse=True)
+def _sim() -> Iterator[None]:
+    cs.use_backend("sim")
+    with cs.sanitize(False):  # (the controls race on purpose)
+        yield
+
+
+def _reused(backend: cs.Backend, old: int) -> int:
+    """A new stream given ``old``'s handle, which was just destroyed."""
+    new = backend.create_stream()
+    assert new == old, "the simulator recycles a destroyed stream's handle"
+    return new
+
+
+def _copy(dst: Any, src: Any) -> None:
+    dst[...] = src
+
+
+def _as_before(monkeypatch: pytest.MonkeyPatch, *modules: Any) -> None:
+    for module in modules:
+        monkeypatch.setattr(module, "order_known", lambda key: True)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["own query", "control"])
+def test_a_hold_on_a_reused_handle_is_released_by_its_own_query(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An owner held until the old stream passes a slow read; a hold on the
+    new stream completes at once. The first is not released with it: its
+    memory is not handed to the next allocation under the read."""
+    if not fixed:
+        _as_before(monkeypatch, _hold_table)
+    backend = cs.current_backend()
+    out = sim.empty(N, "float32")
+    x = backend.create_stream()
+    sim.launch(x, lambda: None, duration=0.05)
+    cs.hold(object(), until=x)  # (done soon: the probe that doubles its step)
+    a = sim.asarray(np.full(N, 1.0, np.float32))
+    sim.launch(x, _copy, out, a, duration=SLOW)
+    cs.hold(a, until=x)
+    del a
+    backend.destroy_stream(x)  # (its work still runs)
+    y = _reused(backend, x)
+    cs.hold(object(), until=y)  # complete at once
+    time.sleep(0.1)
+    cs.stats()  # releases every completed hold
+    gc.collect()
+    b = sim.asarray(np.full(N, 2.0, np.float32))  # (the block a's release would free)
+    time.sleep(SLOW)
+    backend.synchronize_stream(y)
+    time.sleep(0.05)
+    assert (out.to_host() == (1.0 if fixed else 2.0)).all()
+    del b
+    backend.destroy_stream(y)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["waited", "control"])
+def test_a_write_on_a_destroyed_handle_is_waited_for_by_its_new_stream(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tracked array written on the old stream (slow); a consumer on the new
+    stream, which has its handle, waits for that write."""
+    if not fixed:
+        _as_before(monkeypatch, _pending)
+    backend = cs.current_backend()
+    a = sim.asarray(np.zeros(N, np.float32))
+    out = sim.empty(N, "float32")
+    t = cs.track(a)
+    x = backend.create_stream()
+    with t.writing(x):
+        sim.launch(x, lambda d: d.fill(7.0), a, writes=[a], duration=SLOW)
+    backend.destroy_stream(x)
+    y = _reused(backend, x)
+    view = cs.consume_blocking(t, stream=y)
+    sim.launch(y, _copy, out, view)
+    backend.synchronize_stream(y)
+    assert (out.to_host() == (7.0 if fixed else 0.0)).all()
+    time.sleep(SLOW)  # (the old stream's write ends before the next test)
+    del view
+    backend.destroy_stream(y)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["own bell", "control"])
+def test_a_bell_on_a_reused_handle_wakes_only_its_own_waiter(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two waiters on events of one handle: the old stream's (held by a latch)
+    and the new stream's (a short kernel), which is waited on first, so its
+    bell is armed, and rings first. It wakes its own waiter only: the old
+    event's waiter was woken with it, its event not done."""
+    if not fixed:
+        _as_before(monkeypatch, _poller)
+    backend = cs.current_backend()
+    ops = SimOps()
+    x = backend.create_stream()
+    latch = ops.latch(cs.Stream.wrap(x))
+    old = cs.Stream.wrap(x).record()
+    backend.destroy_stream(x)
+    y = _reused(backend, x)
+    sim.launch(y, lambda: None, duration=0.1)
+    new = cs.Stream.wrap(y).record()
+    woke: list[tuple[str, bool]] = []
+
+    async def wait(name: str, event: cs.Event) -> None:
+        await event.wait(timeout=10)
+        woke.append((name, old.is_done))
+
+    async def main() -> None:
+        previous = _poller.poll_policy()
+        cs.configure(poll=cs.PollPolicy(wake="doorbell"))
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait, "new", new)
+                await anyio.sleep(0.02)  # (its bell is armed: the stream's oldest waiter)
+                tg.start_soon(wait, "old", old)
+                await anyio.sleep(0.3)  # the new event's bell rang
+                seen = list(woke)
+                latch.release()
+        finally:
+            cs.configure(poll=previous)
+        if fixed:
+            assert seen == [("new", False)]
+        else:
+            assert ("old", False) in seen  # woken before its event was done
+
+    try:
+        anyio.run(main)
+    finally:
+        latch.release()
+        backend.synchronize_stream(y)
+        backend.destroy_stream(y)
