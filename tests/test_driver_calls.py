@@ -344,14 +344,24 @@ def test_a_loop_of_handoffs_reads_each_producers_data(
         assert (got != expected).any(), "the control read every value after its write"
 
 
-@pytest.mark.parametrize("sync", [True, False], ids=["held", "control"])
+@pytest.mark.parametrize(
+    ("sync", "held"),
+    [(True, True), (False, True), (True, False)],
+    ids=["held", "sync off", "control"],
+)
 def test_a_loop_of_new_owners_keeps_each_until_its_reader_ran(
-    sim_backend: cs.Backend, sync: bool
+    sim_backend: cs.Backend, sync: bool, held: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each owner is dropped right after its handoff while a slow kernel on
     the consumer's stream still has to read it: the hold each let-go view
-    records keeps its block from the next allocation of its size. The
-    control, ``sync=False`` (no hold), has the block written over first."""
+    records keeps its block from the next allocation of its size, with sync
+    off too (the producer's ordering is the caller's then, not the owner's
+    life). The control takes no hold (``_keep_owner`` undone) and has the
+    block written over first."""
+    from cai_streams import _consume
+
+    if not held:
+        monkeypatch.setattr(_consume, "_keep_owner", lambda h, **kwargs: None)
     n = 3 * RECLAIM_AT
     producer, mine = cs.Stream(), cs.Stream()
     out = sim.asarray(np.zeros(n, np.float32))
@@ -366,7 +376,7 @@ def test_a_loop_of_new_owners_keeps_each_until_its_reader_ran(
         # pool would let go of the view at once, and nothing else would keep the owner
     got = out.to_host(mine)
     expected = np.arange(1, n + 1, dtype=np.float32)
-    if sync:
+    if held:
         assert (got == expected).all(), got
     else:
         assert (got != expected).any(), "the control's blocks were never reused early"
