@@ -525,19 +525,20 @@ def _tracked_host(t: TrackedArray, sync: object, backend: Backend) -> ArrayView 
 
 
 def _dlpack_handoff(obj: object, s: Stream | None, synced: bool, backend: Backend) -> _Handoff:
-    sched = scheduler_for(backend, cuda_device_of(obj))  # the export stream of its device
+    device = cuda_device_of(obj)  # (asked once: the capsule must be on it)
+    sched = scheduler_for(backend, device)
     mode = plan(tracked=False, producer_stream=None, stream=s, synced=synced, dlpack=True)
     if mode is Mode.DLPACK_HOST:  # (a stream of its own: see Scheduler.landing)
         landing = sched.landing()
         try:
-            view = take(obj, landing.handle)
+            view = take(obj, landing.handle, device)
         except BaseException:
             sched.landed(landing)
             raise
         row = _DLPackHost(sched, view, s)
         row.landing = landing
         return row
-    view = take(obj, s.handle if mode is Mode.DLPACK_ENQUEUE and s is not None else None)
+    view = take(obj, s.handle if mode is Mode.DLPACK_ENQUEUE and s is not None else None, device)
     return _ROWS[mode](sched, view, s)
 
 
@@ -668,7 +669,7 @@ async def consume(
     when its work completes, and the owner lives until then. A failed kernel
     before the handoff raises :class:`~cai_streams.CudaError`.
     """
-    check_timeout(timeout)
+    timeout = check_timeout(timeout)
     if stream is None and type(obj) is TrackedArray:
         check_protocol(protocol)
         got: ArrayView | _Handoff | None = None
@@ -708,7 +709,7 @@ async def consume_all(
     the whole. The same array may appear more than once. If one fails or the
     call is cancelled, all are let go.
     """
-    check_timeout(timeout)
+    timeout = check_timeout(timeout)
     handoffs = _handoffs(objs, stream, sync, protocol)
     try:
         await _run(handoffs, timeout)
@@ -737,7 +738,7 @@ def consume_blocking(
     thread holds a ``writing()`` block of a tracked array). Never call it
     from a coroutine.
     """
-    check_timeout(timeout)
+    timeout = check_timeout(timeout)
     check_protocol(protocol)
     if stream is None and type(obj) is TrackedArray:
         try:
@@ -804,7 +805,7 @@ async def consuming(
     cannot wait without blocking the event loop: its ``writing()`` raises
     RuntimeError while the body is suspended at an await.
     """
-    check_timeout(timeout)
+    timeout = check_timeout(timeout)
     (handoff,) = _handoffs([obj], stream, sync, protocol)
     handoff.blocking = True
     try:

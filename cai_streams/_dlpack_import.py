@@ -31,6 +31,7 @@ from . import _dlpack
 from ._backend import current_backend
 from ._errors import CudaWarning, InterfaceError
 from ._interface import ArrayView, parse
+from ._unique import Unique
 
 __all__ = [
     "DLPackOwner",
@@ -114,7 +115,7 @@ class Held(enum.Enum):
     DELETED = "deleted: the deleter ran"
 
 
-class DLPackOwner:
+class DLPackOwner(Unique):
     """Owns one DLPack tensor taken from a capsule: calls its deleter exactly
     once, when this object is collected (so after every view of it).
 
@@ -304,15 +305,18 @@ def cuda_device_of(obj: Any) -> int:
     return ordinal
 
 
-def take(obj: Any, stream: int | None) -> ArrayView:
+def take(obj: Any, stream: int | None, device_id: int | None = None) -> ArrayView:
     """``obj.__dlpack__(stream=...)`` taken as an ArrayView (see the module docstring).
 
     ``stream``: the handle the producer orders after its work, and the
-    view's ``stream``; None passes -1 (no synchronization). A producer not
+    view's ``stream``; None passes -1 (no synchronization). ``device_id``:
+    what :func:`cuda_device_of` said of ``obj`` when ``stream`` was chosen
+    (None: asked here), which the capsule's tensor must be on. A producer not
     on a CUDA device raises InterfaceError before any capsule is made.
     Only enqueues GPU work (the producer's join).
     """
-    device_id = cuda_device_of(obj)
+    if device_id is None:
+        device_id = cuda_device_of(obj)
     passed = -1 if stream is None else stream
     try:
         capsule = obj.__dlpack__(stream=passed, max_version=MAX_VERSION)

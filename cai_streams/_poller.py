@@ -572,15 +572,17 @@ async def policy_sleep(delay: float) -> None:
         poller.sleepers.discard(woken)
 
 
-def check_timeout(timeout: float | None) -> None:
-    """ValueError unless ``timeout`` is None or a real number of seconds >= 0
-    (an int, a float, or NumPy's) that a float can hold (inf: no limit)."""
+def check_timeout(timeout: float | None) -> float | None:
+    """``timeout`` as a float (None: no limit). ValueError unless it is None or
+    a real number of seconds >= 0 (an int, a float, or NumPy's: a float16's
+    deadline would be computed in float16, seconds apart at a day's uptime)
+    that a float can hold (inf: no limit)."""
     if timeout is None:
-        return
+        return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
         raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
     try:
-        float(timeout)
+        return float(timeout)
     except OverflowError:
         raise ValueError(
             f"timeout {timeout!r} is too large for a float: give None (or math.inf) for no limit"
@@ -605,7 +607,7 @@ async def wait_for_events(
     new one. ``given``: the caller's own timeout, which the TimeoutError names
     (``timeout`` is what is left of it), if it differs.
     """
-    check_timeout(timeout)
+    timeout = check_timeout(timeout)
     poller = _current_poller()
     with _capture_guard.relaxed(backend):
         pending = [
@@ -727,7 +729,7 @@ def wait_blocking(
 ) -> None:
     """Block the calling thread until every event is complete, at most ``timeout``
     s. ``given``: the caller's own timeout, which the TimeoutError names."""
-    check_timeout(timeout)
+    timeout = check_timeout(timeout)
     try:
         with _capture_guard.relaxed(backend):
             _wait_blocking(backend, events, timeout, timeout if given is None else given)

@@ -6,6 +6,7 @@ consumer that did not wait sees the old values, deterministically.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import threading
@@ -640,12 +641,23 @@ def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception]) -> None:
         anyio.run(lambda: cs.consume(arr, **kwargs))
 
 
-def test_numpy_numbers_are_timeouts() -> None:
-    """A NumPy float32 or int is a number of seconds (float32 was refused)."""
+@pytest.mark.parametrize("kind", [np.float16, np.float32, np.int64, np.float64])
+def test_numpy_numbers_are_timeouts_of_that_many_seconds(kind: Any) -> None:
+    """A NumPy number is a number of seconds: pending work that ends well
+    inside it is waited for, host and async alike (a float16 deadline,
+    computed in float16 at this machine's uptime, had passed at once)."""
     cs.use_backend("sim")
-    arr = sim.empty(4)
-    for timeout in (np.float32(5), np.int64(5), np.float64(5)):
-        assert cs.consume_blocking(arr, timeout=timeout).stream is None
+    for wait in ("blocking", "async"):
+        s = cs.Stream()
+        arr = sim.empty(4)
+        arr.stream = s.handle
+        sim.launch(s, lambda x: x.fill(3.0), arr, writes=[arr], duration=0.05)
+        if wait == "blocking":
+            view = cs.consume_blocking(arr, timeout=kind(3))
+        else:
+            view = anyio.run(functools.partial(cs.consume, arr, timeout=kind(3)))
+        got = sim._numpy_view(view)
+        assert got is not None and (got == 3.0).all()
 
 
 def test_not_an_array() -> None:

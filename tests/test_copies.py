@@ -36,6 +36,21 @@ def _graph() -> cs.Graph:
     return s.end_capture()
 
 
+class _DLPackOnly:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.inner.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.inner.__dlpack_device__()  # type: ignore[no-any-return]
+
+
+def _dlpack_owner() -> Any:
+    return cs.consume_blocking(_DLPackOnly(sim.empty(4)), timeout=10).owner
+
+
 MAKERS: dict[str, Callable[[], Any]] = {
     "Stream": cs.Stream,
     "borrowed Stream": lambda: cs.Stream.wrap(1),
@@ -43,6 +58,7 @@ MAKERS: dict[str, Callable[[], Any]] = {
     "Graph": _graph,
     "TrackedArray": lambda: cs.track(sim.empty(4)),
     "ArrayView": lambda: cs.read_interface(sim.empty(4)),
+    "DLPackOwner": _dlpack_owner,
 }
 
 
@@ -90,3 +106,26 @@ def test_a_dropped_copy_of_an_event_leaves_the_librarys_pooled_events_alone() ->
     view = cs.consume_blocking(t, timeout=10)
     got = sim._numpy_view(view)
     assert got is not None and (got == 1.0).all()
+
+
+def test_a_dropped_copy_of_a_dlpack_views_owner_deletes_no_tensor() -> None:
+    """``view.owner`` of a DLPack consume runs the tensor's deleter once, when
+    collected: a copy of it ran the deleter while the view was in use (the
+    next allocation took the memory), and the owner ran it again (a double
+    free with a real producer)."""
+    from cai_streams._dlpack_export import live_exports
+
+    before = live_exports()
+    a = sim.asarray(np.full(1 << 12, 1.0, np.float32))
+    view = cs.consume_blocking(_DLPackOnly(a), timeout=10)
+    del a  # (the tensor keeps the memory)
+    twin = copy.copy(view.owner)
+    del twin
+    gc.collect()
+    b = sim.asarray(np.full(1 << 12, 2.0, np.float32))
+    got = sim._numpy_view(view)
+    assert got is not None and (got == 1.0).all()
+    assert b.ptr != view.ptr
+    del view, got
+    gc.collect()
+    assert live_exports() == before  # deleted once, not twice

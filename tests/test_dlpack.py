@@ -826,6 +826,32 @@ def test_a_capsule_on_another_device_than_dlpack_device_says_is_refused(
     assert sys.getrefcount(inner) == before
 
 
+def test_dlpack_device_is_asked_once_so_a_producer_cannot_answer_two_ways(exports: None) -> None:
+    """The stream is chosen by the device ``__dlpack_device__`` says; the
+    capsule is checked against that same answer (it was asked again, and a
+    second answer that matched the capsule let a stream of the wrong device
+    through)."""
+    backend = cs.current_backend()
+    if backend.device_count() < 2:
+        pytest.skip("needs two simulated devices")
+    previous = backend.current_device()
+    backend.set_device(1)
+    try:
+        inner = sim.asarray(np.ones(4, np.float32))
+    finally:
+        backend.set_device(previous)
+
+    class Flipping(DLPackOnly):
+        asked = 0
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            self.asked += 1
+            return (2, 0) if self.asked == 1 else (2, 1)
+
+    with pytest.raises(cs.InterfaceError, match="on CUDA device 1.*reported device 0"):
+        cs.consume_blocking(Flipping(inner), protocol="dlpack", timeout=5)
+
+
 @pytest.mark.parametrize("own", [True, False], ids=["landing stream", "control"])
 def test_a_dlpack_host_consume_waits_for_its_producer_only(
     exports: None, own: bool, monkeypatch: pytest.MonkeyPatch

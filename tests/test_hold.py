@@ -9,6 +9,7 @@ control: the same owner without a hold is gone at once). Data-level proof
 
 from __future__ import annotations
 
+import functools
 import gc
 import random
 import re
@@ -262,7 +263,7 @@ def test_sync_false_onto_a_stream_still_keeps_the_owner(
         if mode == "blocking":
             view = cs.consume_blocking(obj, stream=consumer, sync=False)
         else:
-            view = anyio.run(lambda: cs.consume(obj, stream=consumer, sync=False))
+            view = anyio.run(functools.partial(cs.consume, obj, stream=consumer, sync=False))
         sim.launch(consumer, lambda d, v: d.__setitem__(..., v), out, view, duration=0.2)
         del view, obj, a
         gc.collect()
