@@ -55,6 +55,7 @@ class OpenBlock:
         "kind",
         "name",
         "owner",
+        "serial",
         "stream",
     )
 
@@ -71,6 +72,7 @@ class OpenBlock:
         *,
         began_capturing: bool = False,
         capture: object | None = None,
+        serial: int = 0,
     ) -> None:
         self.name = name  # what opened it, for the messages
         #: its stream was capturing when it opened: a capture still under way
@@ -79,6 +81,9 @@ class OpenBlock:
         #: that capture, if this library began it (``_capture.under_way``): one
         #: that ends in the block and another that begins in it tell apart
         self.capture = capture
+        #: the newest capture's serial when it opened (``_capture.serial_now``):
+        #: a capture of its stream that began and ended in it is told by it
+        self.serial = serial
         self.kind = kind
         self.disjoint = disjoint
         self.group = group

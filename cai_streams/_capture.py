@@ -12,6 +12,7 @@ keeps a capture valid is ``_capture_guard``'s job.
 from __future__ import annotations
 
 import enum
+import itertools
 import sys
 import threading
 import warnings
@@ -30,38 +31,68 @@ __all__ = ["Graph", "GraphState", "begin_capture", "end_capture", "note_captured
 
 
 class _Capture:
-    """A capture begun through :meth:`Stream.begin_capture`, while under way: the
-    tracked buffers accessed in it (id -> (buffer state, whether it writes))."""
+    """A capture begun through :meth:`Stream.begin_capture`: the tracked buffers
+    accessed in it (id -> (buffer state, whether it writes)). Its :class:`Graph`
+    keeps it, and reads ``touched`` at each launch: a block whose stream's
+    capture ended while it was open adds its buffer at its end."""
 
-    __slots__ = ("backend", "device", "origin", "touched")
+    __slots__ = ("__weakref__", "backend", "device", "origin", "serial", "touched")
 
-    def __init__(self, backend: Backend, origin: StreamId) -> None:
+    def __init__(self, backend: Backend, origin: StreamId, serial: int) -> None:
         self.backend = backend
         self.device = origin.device
         self.origin = origin
+        self.serial = serial
         self.touched: dict[int, tuple[weakref.ref[Any], bool]] = {}
 
 
 _lock = threading.Lock()  # bookkeeping only
 _active: dict[StreamId, _Capture] = {}
+#: the newest capture begun on each stream, under way or ended (while its Graph lives)
+_recent: weakref.WeakValueDictionary[StreamId, _Capture] = weakref.WeakValueDictionary()
+_serials = itertools.count(1)
+_newest = 0  # the serial of the newest capture begun
+
+
+def serial_now() -> int:
+    """The newest capture's serial (0: none yet). Asks no driver, takes no lock."""
+    return _newest
+
+
+def ended_in(work: object, writes: bool, block: Any) -> None:
+    """``block`` (a :class:`~cai_streams._blocks.OpenBlock` of ``work``) ended with an
+    ordinary record. A capture of its stream that was under way while it was
+    open and has ended since (one begun in it, or the one it opened in) has
+    the block's captured work in its graph but never named the buffer: it
+    does now. (The capture's ``end_capture`` also looks for open blocks, but
+    a block may end between the driver's end and that look.)"""
+    if block.capture is None and block.serial == _newest:
+        return  # no capture began since it opened, nor was one under way then
+    with _lock:  # (the record was ordinary: no capture of the stream was under way then)
+        capture = _recent.get(block.key)
+        if capture is not None and (capture.serial > block.serial or capture is block.capture):
+            _touch(capture, work, writes)
 
 
 def note_captured(work: object, writes: bool, key: StreamId) -> None:
     """A tracked buffer's access was recorded on the capturing stream ``key``.
 
     It belongs to the capture ``key`` began or, for a stream forked into a
-    capture (from any device of the backend), to the one capture under way on
-    that backend (several at once: it cannot be told which, and a launch does
-    not order it)."""
+    capture, to the one capture under way on that backend and device; with
+    none there, to the one under way on the backend (a fork from another
+    device). Several at once: it cannot be told which, and a launch does not
+    order it."""
     with _lock:
         capture = _active.get(key)
         if capture is None:
             for gone in [k for k in _active if capturing(k.backend, k) is False]:
                 del _active[gone]  # ended or destroyed behind the library's back
             found = [c for c in _active.values() if c.backend is key.backend]
-            if len(found) != 1:
+            here = [c for c in found if c.device == key.device]
+            if len(here) == 1 or (not here and len(found) == 1):
+                capture = (here or found)[0]
+            else:
                 return
-            capture = found[0]
         _touch(capture, work, writes)
 
 
@@ -120,10 +151,12 @@ def begin_capture(stream: Stream, mode: object) -> None:
             f"capture mode must be one of {', '.join(map(repr, CAPTURE_MODES))}, got {mode!r}"
         )
     checked: CaptureMode = mode
+    global _newest
     stream.backend.begin_capture(stream.handle, checked)
     key = stream._key()
     with _lock:
-        _active[key] = _Capture(stream.backend, key)
+        capture = _active[key] = _recent[key] = _Capture(stream.backend, key, next(_serials))
+        _newest = capture.serial
 
 
 def end_capture(stream: Stream) -> Graph:
@@ -135,10 +168,9 @@ def end_capture(stream: Stream) -> Graph:
         if not _still_capturing(backend, handle):
             with _lock:
                 capture = _active.pop(key, None)
-    if capture is None:
-        return Graph._made(backend, graph, [])
-    _note_open_on(capture, key)
-    return Graph._made(backend, graph, list(capture.touched.values()))
+    if capture is not None:
+        _note_open_on(capture, key)
+    return Graph._made(backend, graph, capture)
 
 
 def _still_capturing(backend: Backend, handle: int) -> bool:
@@ -165,28 +197,26 @@ class Graph(Unique):
     graph and its executable; a launch already enqueued still runs.
     """
 
-    __slots__ = ("__weakref__", "_backend", "_exec", "_graph", "_lock", "_state", "_touched")
+    __slots__ = ("__weakref__", "_backend", "_capture", "_exec", "_graph", "_lock", "_state")
 
     _backend: Backend
+    _capture: _Capture | None
     _exec: int
     _graph: int
     _lock: threading.Lock
     _state: GraphState
-    _touched: list[tuple[weakref.ref[Any], bool]]
 
     def __init__(self) -> None:
         raise TypeError("Graphs are made by Stream.end_capture()")
 
     @classmethod
-    def _made(
-        cls, backend: Backend, graph: int, touched: list[tuple[weakref.ref[Any], bool]]
-    ) -> Graph:
+    def _made(cls, backend: Backend, graph: int, capture: _Capture | None) -> Graph:
         self = cls.__new__(cls)
         self._backend = backend
         self._graph = graph
         self._exec = 0
         self._lock = threading.Lock()  # the first launch instantiates, once
-        self._touched = touched
+        self._capture = capture  # (None: not begun through Stream.begin_capture)
         self._state = GraphState.CAPTURED
         return self
 
@@ -220,7 +250,8 @@ class Graph(Unique):
         from ._access import Kind  # late: _access imports this module
         from ._tracked import _enter
 
-        touched = [(work, writes) for ref, writes in self._touched if (work := ref()) is not None]
+        found = [] if self._capture is None else list(self._capture.touched.values())
+        touched = [(work, writes) for ref, writes in found if (work := ref()) is not None]
         touched.sort(key=lambda pair: id(pair[0]))  # one order for every launch: no
         with ExitStack() as blocks:  # two launches hold a block each the other waits for
             for work, writes in touched:

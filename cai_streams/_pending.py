@@ -337,6 +337,17 @@ class PendingWork:
             ]
         else:  # another library's handle: maybe destroyed and given to this stream since
             accesses = [a for a in accesses if a.state is not AccessState.RELEASED]
+            if accesses and capturing is None:
+                capturing = _capture_guard.capturing(self.backend, key) is True
+            accesses = [
+                a
+                for a in accesses
+                # the same stream for sure: a capture's own stream (a wait on work
+                # outside it is refused anyway, and a launch is ordered after it),
+                # or one whose access keeps the object owning the handle alive
+                if not (a.key == key and (capturing or a.stream._records_later()))
+                and not (capturing and key in a.waited_by)
+            ]
         needless: list[Access] = []
         if accesses:  # (the capture check costs a driver call: only when there is work)
             if capturing is None:
@@ -470,6 +481,7 @@ class PendingWork:
                 group,
                 began_capturing=began,
                 capture=_capture.under_way(key) if began else None,
+                serial=_capture.serial_now(),
             )
             self.blocks.append(block)
             lifetime = stream._lifetime
@@ -509,6 +521,9 @@ class PendingWork:
                     self._drop(a)
             if new.state is not AccessState.RELEASED:  # (its record at close, found done)
                 self._add(new)
+            if new.mark is None or not new.mark.captured:  # (an ordinary record: a capture
+                # of its stream that ended in the block has the block's work in its graph)
+                _capture.ended_in(self, block.kind is Kind.WRITE, block)
             if new.mark is not None and new.mark.captured and self._began_in(block):
                 block.covered = []  # (released: nothing of them is needed any more)
                 self.unfenced.append(block)  # a capture began in it (see _fence)
@@ -606,6 +621,7 @@ class PendingWork:
                 "consuming()",
                 began_capturing=began,
                 capture=_capture.under_way(key) if began else None,
+                serial=_capture.serial_now(),
             )
             self.blocks.append(opened)
             lifetime = s._lifetime

@@ -59,8 +59,10 @@ Work declared on a capturing stream (or on a stream that joined its capture)
 is checked each time the graph is replayed, as work of the stream it is
 launched on, after that executable's earlier launches (cudaGraphLaunch's
 rule); a graph launched into a capture is that capture's work (a child
-graph); a launch of a graph that accesses memory freed since its capture is
-refused. The order of the nodes inside one graph is not checked.
+graph); a launch of a graph that accesses memory freed since its capture
+ended is refused (memory freed during the capture is not looked at: the
+capture may take the block again for a temporary it keeps). The order of the
+nodes inside one graph is not checked.
 
 Actors are stream identities (``_identity.StreamId``, with the stream's own
 device): a stream closed and its handle reused is a new actor, and handle 2
@@ -186,6 +188,7 @@ class _State:
         #: captures and graphs (keyed as above) with an access to memory freed
         #: since it was captured: (what, where, the freed range), the first one
         self.stale: dict[Any, tuple[str, str, int, int]] = {}
+        self.spans: dict[Any, tuple[int, int]] = {}  # each graph's lowest and highest byte
         self.local = threading.local()
         self.checked = 0
         self.sweeps = 0
@@ -353,18 +356,27 @@ class _State:
         self.lock.run_or_defer(change)
 
     def _graphs_lose(self, lo: int, hi: int) -> None:
-        """Lock held: memory ``[lo, hi)`` was freed. A graph (or a capture under
-        way) that accesses it keeps the raw pointer: any later launch of it
-        uses memory that is gone, or another owner's."""
-        tables: list[dict[Any, list[Captured]]] = [self.graphs, self.captured]
-        for table in tables:
-            for key, operations in table.items():
-                if key in self.stale:
-                    continue
-                for items, what, site in operations:
-                    if any(b > lo and a < hi for _, a, b in items):
-                        self.stale[key] = (what, site, lo, hi)
-                        break
+        """Lock held: memory ``[lo, hi)`` was freed. A graph that accesses it
+        keeps the raw pointer: any later launch of it uses memory that is gone,
+        or another owner's. (Not a capture under way: it may free a temporary
+        and capture the next one in the same block, kept as long as the graph.)
+        Each graph's span is found once, so a free looks into the graphs
+        around it only."""
+        for key, operations in self.graphs.items():
+            if key in self.stale:
+                continue
+            span = self.spans.get(key)
+            if span is None:
+                ends = [(a, b) for items, _, _ in operations for _, a, b in items if b > a]
+                span = self.spans[key] = (
+                    (min(a for a, _ in ends), max(b for _, b in ends)) if ends else (0, 0)
+                )
+            if not (span[1] > lo and span[0] < hi):
+                continue
+            for items, what, site in operations:
+                if any(b > lo and a < hi for _, a, b in items):
+                    self.stale[key] = (what, site, lo, hi)
+                    break
 
     def hold_released(self, backend: Backend, event: int, ranges: list[tuple[int, int]]) -> None:
         """The library lets go of a hold's owner, having seen ``event`` complete.
@@ -713,9 +725,6 @@ class _Watcher(Observer):
         with state.lock:
             origin = state.stream(backend, stream)
             state.graphs[(backend, graph, False)] = state.captured.pop(origin, [])
-            stale = state.stale.pop(origin, None)
-            if stale is not None:
-                state.stale[(backend, graph, False)] = stale
             self._end_capture_of(origin)
 
     def capture_abandoned(self, backend: Backend, stream: int) -> None:
@@ -723,7 +732,6 @@ class _Watcher(Observer):
         with state.lock:
             origin = state.stream(backend, stream)
             state.captured.pop(origin, None)  # (never runs: nothing to check it against)
-            state.stale.pop(origin, None)
             self._end_capture_of(origin)
 
     @staticmethod
@@ -770,6 +778,7 @@ class _Watcher(Observer):
         with _state.lock:
             _state.graphs.pop((backend, graph, executable), None)
             _state.stale.pop((backend, graph, executable), None)
+            _state.spans.pop((backend, graph, executable), None)
             if executable:
                 _state.launches.pop((backend, graph), None)
 

@@ -394,7 +394,7 @@ def test_a_consumer_read_onto_a_capturing_stream_is_the_graphs_and_each_launch_i
     finally:
         graph = s.end_capture()
     with graph:
-        assert len(graph._touched) == 1
+        assert graph._capture is not None and len(graph._capture.touched) == 1
         latch = ops.latch(launch_on)
         try:
             graph.launch(launch_on)  # the copy, held behind the latch

@@ -6,7 +6,7 @@ nothing about a launch. ``end_capture`` hands such buffers to the graph, so
 each launch is ordered like a block on the launch stream. Each test proves it
 with data: a slow captured kernel, a launch, then a consumer (or a writer)
 that must wait for the launch. Its control is the same program with that
-step undone (``_capture._note_open_on`` a no-op, as before the fix): the
+step undone (``_capture._note_open_on`` and ``ended_in`` no-ops, as before): the
 consumer reads the old data, or the writer overwrites what the graph was
 about to read. The fixed runs are sanitized: the sanitizer checks each
 replay on the stream it is launched on, and stays silent.
@@ -15,6 +15,7 @@ replay on the stream it is launched on, and stays silent.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,9 +37,11 @@ def _sim() -> None:
 @contextlib.contextmanager
 def _as_fixed(fixed: bool, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Sanitized when ``fixed``; else the control: the open blocks and reads
-    on a capture's stream are not handed to its graph."""
+    on a capture's stream are not handed to its graph, neither at its end nor
+    at theirs."""
     if not fixed:
         monkeypatch.setattr(_capture, "_note_open_on", lambda capture, key: None)
+        monkeypatch.setattr(_capture, "ended_in", lambda work, writes, block: None)
     with cs.sanitize(fixed):
         yield
 
@@ -200,3 +203,78 @@ def test_a_stream_of_another_device_forked_into_a_capture_hands_its_array_to_the
         launch_on.synchronize()
     graph.close()
     assert (got == (9.0 if waited else 0.0)).all(), got
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["noted", "control"])
+def test_a_block_ending_between_the_drivers_end_and_the_look_for_open_blocks_is_noted(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread's block on the capturing stream ends while
+    ``end_capture`` runs: after the driver ended the capture (its record is
+    ordinary) and before the look for open blocks (it is gone from them). Its
+    end hands the array to the graph (``ended_in``). The window is made
+    deterministic: the driver's end lets the block end and waits for it."""
+    if not fixed:
+        monkeypatch.setattr(_capture, "ended_in", lambda work, writes, block: None)
+    backend = cs.current_backend()
+    entered, may_leave, left = threading.Event(), threading.Event(), threading.Event()
+    real_end = type(backend).end_capture
+
+    def end_capture(self: Any, stream: int) -> int:
+        graph: int = real_end(self, stream)
+        may_leave.set()
+        left.wait(10)
+        return graph
+
+    monkeypatch.setattr(type(backend), "end_capture", end_capture)
+    s, launch_on = cs.Stream(), cs.Stream()
+    x = sim.asarray(np.zeros(4, np.float32))
+    tx = cs.track(x)
+
+    def writer() -> None:
+        with tx.writing(s):
+            sim.launch(s, _fill(9.0), x, writes=[x], duration=SLOW)  # captured
+            entered.set()
+            may_leave.wait(10)
+        left.set()
+
+    with cs.sanitize(False):
+        s.begin_capture("relaxed")
+        thread = threading.Thread(target=writer)
+        thread.start()
+        assert entered.wait(10)
+        graph = s.end_capture()
+        thread.join(10)
+        graph.launch(launch_on)
+        got = _consumed(x)
+        launch_on.synchronize()
+    graph.close()
+    assert (got == (9.0 if fixed else 0.0)).all(), got
+
+
+def test_forked_streams_of_two_devices_capturing_at_once_each_find_their_own() -> None:
+    """One capture under way on each device; a stream of device 0 forked into
+    device 0's capture writes an array there: that capture's graph has it
+    (looking on the whole backend found two and gave up)."""
+    backend = cs.current_backend()
+    if backend.device_count() < 2:
+        pytest.skip("needs two simulated devices")
+    s0, side0, launch_on = cs.Stream(device=0), cs.Stream(device=0), cs.Stream(device=0)
+    s1 = cs.Stream(device=1)
+    x = sim.asarray(np.zeros(4, np.float32), device=0)
+    tx = cs.track(x)
+    with cs.sanitize():
+        s1.begin_capture("relaxed")
+        s0.begin_capture("relaxed")
+        side0.wait(s0.record())
+        with tx.writing(side0):
+            sim.launch(side0, _fill(9.0), x, writes=[x], duration=SLOW)
+        s0.wait(side0.record())
+        graph0 = s0.end_capture()
+        graph1 = s1.end_capture()
+        graph0.launch(launch_on)
+        got = _consumed(x)
+        launch_on.synchronize()
+    graph0.close()
+    graph1.close()
+    assert (got == 9.0).all(), got

@@ -162,3 +162,40 @@ def test_a_bell_on_a_reused_handle_wakes_only_its_own_waiter(
         latch.release()
         backend.synchronize_stream(y)
         backend.destroy_stream(y)
+
+
+class _CupyLike:
+    """Another library's stream object: it owns its handle while it lives."""
+
+    def __init__(self, backend: cs.Backend) -> None:
+        self.ptr = backend.create_stream()
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+@pytest.mark.parametrize("call", ["writing", "export"])
+@pytest.mark.parametrize("kind", ["bare handle", "object"])
+def test_a_capture_on_another_librarys_stream_waits_for_nothing_of_its_own(
+    kind: str, call: str
+) -> None:
+    """A tracked array's write still running on another library's stream,
+    then a capture on that stream writes or exports the array: no wait for the
+    stream's own write (a wait on work outside the capture is refused: it
+    raised CaptureError), and the capture stays valid."""
+    backend = cs.current_backend()
+    s = cs.Stream.wrap(backend.create_stream() if kind == "bare handle" else _CupyLike(backend))
+    x = sim.asarray(np.zeros(16, np.float32))
+    t = cs.track(x)
+    with t.writing(s):
+        sim.launch(s, lambda: None, duration=0.2)
+    s.begin_capture("relaxed")
+    try:
+        if call == "writing":
+            with t.writing(s):
+                sim.launch(s, lambda: None)
+        else:
+            cs.export(t, stream=s)
+    finally:
+        s.end_capture().close()  # (raises if the capture was invalidated)
+    s.synchronize()

@@ -513,6 +513,29 @@ def test_a_launch_of_a_graph_over_freed_memory_is_named(freed: bool) -> None:
     backend.destroy_graph_exec(graph)
 
 
+def test_a_temporary_freed_and_taken_again_inside_one_capture_is_no_hazard() -> None:
+    """A capture frees a temporary and the pool gives its block to the next
+    one, which lives as long as the graph: every launch is correct (each
+    launch was refused as a replay over freed memory)."""
+    backend, s, on = cs.current_backend(), cs.Stream(), cs.Stream()
+    out = sim.asarray(np.zeros(4, np.float32))
+    backend.begin_capture(s.handle, "relaxed")
+    try:
+        for i in range(2):
+            tmp = sim.empty(4, "float32")
+            sim.launch(s, lambda a: a.fill(1.0), tmp, writes=[tmp])
+            sim.launch(s, lambda o, a: o.__iadd__(a), out, tmp, reads=[tmp], writes=[out])
+            if i == 0:
+                del tmp  # (back to the pool, inside the capture)
+    finally:
+        graph = backend.instantiate_graph(backend.end_capture(s.handle))
+    backend.launch_graph(graph, on.handle)
+    on.synchronize()
+    assert (out.to_host() == 2.0).all()
+    del tmp
+    backend.destroy_graph_exec(graph)
+
+
 def test_freed_memory_is_forgotten() -> None:
     import gc
 
