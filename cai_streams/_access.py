@@ -94,6 +94,7 @@ class Access:
         "mark",
         "pins",
         "pool",
+        "serial",
         "state",
         "stream",
         "waited_by",
@@ -117,6 +118,8 @@ class Access:
         self.pins = 0
         self.pool: EventPool | None = None  # the pool of the event's device, once recorded
         self.waited_by: set[StreamId] = set()
+        #: a lazy read's: the newest capture's serial when it was made (``_capture``)
+        self.serial = 0
 
     @property
     def captured(self) -> bool:
@@ -149,6 +152,7 @@ class Access:
         """A consumer's read on ``stream``: recorded when something must wait for
         it, if the stream allows that; else recorded now."""
         access = cls(work, Kind.READ, stream, key, False)
+        access.serial = _capture.serial_now()
         lifetime = stream._lifetime
         if not stream._records_later() or (lifetime is not None and not lifetime.listen(access)):
             access._record()
@@ -192,6 +196,9 @@ class Access:
                 ) from exc
         else:
             self._record()
+        if not self.captured:  # (a capture of its stream that ended since it was made
+            # has the consumer's captured reads in its graph: see _capture.ended_in)
+            _capture.ended_in(self.work, False, self.key, self.serial)
         # Only now: while it listens, the stream's owner closing it in another
         # thread waits for this buffer's lock (held here) before destroying it.
         self._forget_lifetime()

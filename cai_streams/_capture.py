@@ -52,6 +52,18 @@ _active: dict[StreamId, _Capture] = {}
 _recent: weakref.WeakValueDictionary[StreamId, _Capture] = weakref.WeakValueDictionary()
 _serials = itertools.count(1)
 _newest = 0  # the serial of the newest capture begun
+#: streams joined to a capture under way through :meth:`Stream.wait` (forked
+#: into it): the capture, so a record on them is told apart from another's
+_forks: dict[StreamId, _Capture] = {}
+
+
+def joined(waiter: StreamId, source: StreamId) -> None:
+    """``waiter``'s stream now waits for work of ``source``'s (``Stream.wait``):
+    if that is a stream of a capture under way, ``waiter`` has joined it."""
+    with _lock:
+        capture = _active.get(source) or _forks.get(source)
+        if capture is not None and _active.get(capture.origin) is capture:
+            _forks[waiter] = capture
 
 
 def serial_now() -> int:
@@ -59,18 +71,22 @@ def serial_now() -> int:
     return _newest
 
 
-def ended_in(work: object, writes: bool, block: Any) -> None:
-    """``block`` (a :class:`~cai_streams._blocks.OpenBlock` of ``work``) ended with an
-    ordinary record. A capture of its stream that was under way while it was
-    open and has ended since (one begun in it, or the one it opened in) has
-    the block's captured work in its graph but never named the buffer: it
-    does now. (The capture's ``end_capture`` also looks for open blocks, but
-    a block may end between the driver's end and that look.)"""
-    if block.capture is None and block.serial == _newest:
+def ended_in(
+    work: object, writes: bool, key: StreamId, serial: int, at_open: object | None = None
+) -> None:
+    """A block (or a consumer's lazy read) of ``work`` on ``key``'s stream,
+    opened when the newest capture's serial was ``serial`` (and inside the
+    capture ``at_open``, if any), ended with an ordinary record. A capture of
+    its stream that was under way while it was open and has ended since (one
+    begun in it, or the one it opened in) has its captured work in its graph
+    but never named the buffer: it does now. (``end_capture`` also looks for
+    open blocks and reads, but one may end between the driver's end and that
+    look.) Takes no lock when no capture began since (a hot path)."""
+    if at_open is None and serial == _newest:
         return  # no capture began since it opened, nor was one under way then
     with _lock:  # (the record was ordinary: no capture of the stream was under way then)
-        capture = _recent.get(block.key)
-        if capture is not None and (capture.serial > block.serial or capture is block.capture):
+        capture = _recent.get(key)
+        if capture is not None and (capture.serial > serial or capture is at_open):
             _touch(capture, work, writes)
 
 
@@ -78,15 +94,22 @@ def note_captured(work: object, writes: bool, key: StreamId) -> None:
     """A tracked buffer's access was recorded on the capturing stream ``key``.
 
     It belongs to the capture ``key`` began or, for a stream forked into a
-    capture, to the one capture under way on that backend and device; with
-    none there, to the one under way on the backend (a fork from another
+    capture through :meth:`Stream.wait`, to that one; for a stream forked
+    otherwise, to the one capture under way on that backend and device, or
+    with none there, to the one under way on the backend (a fork from another
     device). Several at once: it cannot be told which, and a launch does not
     order it."""
     with _lock:
         capture = _active.get(key)
         if capture is None:
+            fork = _forks.get(key)
+            if fork is not None and _active.get(fork.origin) is fork:
+                _touch(fork, work, writes)
+                return
             for gone in [k for k in _active if capturing(k.backend, k) is False]:
                 del _active[gone]  # ended or destroyed behind the library's back
+            for fork in [k for k, c in _forks.items() if _active.get(c.origin) is not c]:
+                del _forks[fork]
             found = [c for c in _active.values() if c.backend is key.backend]
             here = [c for c in found if c.device == key.device]
             if len(here) == 1 or (not here and len(found) == 1):
@@ -168,6 +191,8 @@ def end_capture(stream: Stream) -> Graph:
         if not _still_capturing(backend, handle):
             with _lock:
                 capture = _active.pop(key, None)
+                for fork in [k for k, c in _forks.items() if c is capture]:
+                    del _forks[fork]
     if capture is not None:
         _note_open_on(capture, key)
     return Graph._made(backend, graph, capture)

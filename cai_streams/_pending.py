@@ -523,7 +523,9 @@ class PendingWork:
                 self._add(new)
             if new.mark is None or not new.mark.captured:  # (an ordinary record: a capture
                 # of its stream that ended in the block has the block's work in its graph)
-                _capture.ended_in(self, block.kind is Kind.WRITE, block)
+                _capture.ended_in(
+                    self, block.kind is Kind.WRITE, block.key, block.serial, block.capture
+                )
             if new.mark is not None and new.mark.captured and self._began_in(block):
                 block.covered = []  # (released: nothing of them is needed any more)
                 self.unfenced.append(block)  # a capture began in it (see _fence)

@@ -60,9 +60,9 @@ is checked each time the graph is replayed, as work of the stream it is
 launched on, after that executable's earlier launches (cudaGraphLaunch's
 rule); a graph launched into a capture is that capture's work (a child
 graph); a launch of a graph that accesses memory freed since its capture
-ended is refused (memory freed during the capture is not looked at: the
-capture may take the block again for a temporary it keeps). The order of the
-nodes inside one graph is not checked.
+ended, or during it and not taken again by a later access of the capture (a
+temporary that got the block), is refused. The order of the nodes inside one
+graph is not checked.
 
 Actors are stream identities (``_identity.StreamId``, with the stream's own
 device): a stream closed and its handle reused is a new actor, and handle 2
@@ -189,6 +189,8 @@ class _State:
         #: since it was captured: (what, where, the freed range), the first one
         self.stale: dict[Any, tuple[str, str, int, int]] = {}
         self.spans: dict[Any, tuple[int, int]] = {}  # each graph's lowest and highest byte
+        #: frees during a capture of memory it accessed: (lo, hi, operations before it)
+        self.freed_in: dict[Actor, list[tuple[int, int, int]]] = {}
         self.local = threading.local()
         self.checked = 0
         self.sweeps = 0
@@ -358,10 +360,13 @@ class _State:
     def _graphs_lose(self, lo: int, hi: int) -> None:
         """Lock held: memory ``[lo, hi)`` was freed. A graph that accesses it
         keeps the raw pointer: any later launch of it uses memory that is gone,
-        or another owner's. (Not a capture under way: it may free a temporary
-        and capture the next one in the same block, kept as long as the graph.)
+        or another owner's.
         Each graph's span is found once, so a free looks into the graphs
-        around it only."""
+        around it only. A capture under way notes the free with how many of
+        its operations came before it (see :meth:`_stale_at_end`)."""
+        for origin, operations in self.captured.items():
+            if any(b > lo and a < hi for items, _, _ in operations for _, a, b in items):
+                self.freed_in.setdefault(origin, []).append((lo, hi, len(operations)))
         for key, operations in self.graphs.items():
             if key in self.stale:
                 continue
@@ -724,7 +729,10 @@ class _Watcher(Observer):
         state = _state
         with state.lock:
             origin = state.stream(backend, stream)
-            state.graphs[(backend, graph, False)] = state.captured.pop(origin, [])
+            operations = state.graphs[(backend, graph, False)] = state.captured.pop(origin, [])
+            stale = _stale_at_end(operations, state.freed_in.pop(origin, []))
+            if stale is not None:
+                state.stale[(backend, graph, False)] = stale
             self._end_capture_of(origin)
 
     def capture_abandoned(self, backend: Backend, stream: int) -> None:
@@ -732,6 +740,7 @@ class _Watcher(Observer):
         with state.lock:
             origin = state.stream(backend, stream)
             state.captured.pop(origin, None)  # (never runs: nothing to check it against)
+            state.freed_in.pop(origin, None)
             self._end_capture_of(origin)
 
     @staticmethod
@@ -781,6 +790,25 @@ class _Watcher(Observer):
             _state.spans.pop((backend, graph, executable), None)
             if executable:
                 _state.launches.pop((backend, graph), None)
+
+
+def _stale_at_end(
+    operations: list[Captured], frees: list[tuple[int, int, int]]
+) -> tuple[str, str, int, int] | None:
+    """At a capture's end: the first operation (what, where, range) that uses
+    memory freed later in the capture and not taken again by it (an access
+    after the free within the freed block: a temporary that took the block,
+    whose owner the graph's user keeps), or None."""
+    for lo, hi, before in frees:
+        again = any(
+            b > lo and a < hi for items, _, _ in operations[before:] for _, a, b in items
+        )
+        if again:
+            continue
+        for items, what, site in operations[:before]:
+            if any(b > lo and a < hi for _, a, b in items):
+                return (what, site, lo, hi)
+    return None
 
 
 def _freed_under_graph(what: str, site: str, lo: int, hi: int) -> HazardError:

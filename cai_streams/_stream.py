@@ -362,6 +362,13 @@ class Stream(Unique):
             raise TypeError(
                 f"Stream.wait() takes an Event or a Stream, got {type(event_or_stream).__name__}"
             )
+        from . import _capture  # late: it builds on Stream
+
+        if _capture.any_under_way():  # (a fork into a capture: which one, for its records)
+            if isinstance(event_or_stream, Stream):
+                _capture.joined(self._key(), event_or_stream._key())
+            elif (mark := event_or_stream._mark) is not None and mark.captured:
+                _capture.joined(self._key(), mark.key)
 
     def begin_capture(self, mode: str = "global") -> None:
         """Start capturing the work enqueued on this stream into a graph

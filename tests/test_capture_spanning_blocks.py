@@ -41,7 +41,7 @@ def _as_fixed(fixed: bool, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     at theirs."""
     if not fixed:
         monkeypatch.setattr(_capture, "_note_open_on", lambda capture, key: None)
-        monkeypatch.setattr(_capture, "ended_in", lambda work, writes, block: None)
+        monkeypatch.setattr(_capture, "ended_in", lambda *args: None)
     with cs.sanitize(fixed):
         yield
 
@@ -215,7 +215,7 @@ def test_a_block_ending_between_the_drivers_end_and_the_look_for_open_blocks_is_
     end hands the array to the graph (``ended_in``). The window is made
     deterministic: the driver's end lets the block end and waits for it."""
     if not fixed:
-        monkeypatch.setattr(_capture, "ended_in", lambda work, writes, block: None)
+        monkeypatch.setattr(_capture, "ended_in", lambda *args: None)
     backend = cs.current_backend()
     entered, may_leave, left = threading.Event(), threading.Event(), threading.Event()
     real_end = type(backend).end_capture
@@ -278,3 +278,80 @@ def test_forked_streams_of_two_devices_capturing_at_once_each_find_their_own() -
     graph0.close()
     graph1.close()
     assert (got == 9.0).all(), got
+
+
+def test_a_stream_forked_through_stream_wait_is_its_captures_with_two_devices_capturing() -> None:
+    """Device 1 captures on its own; a stream of device 1 forked into device
+    0's capture (``Stream.wait`` of an event recorded in it) writes an array:
+    device 0's graph has it, and device 1's graph does not (it was given to
+    device 1's, the only one on the fork's device, and launching that one
+    into a capture then waited for the array's work: CaptureError)."""
+    backend = cs.current_backend()
+    if backend.device_count() < 2:
+        pytest.skip("needs two simulated devices")
+    s0, launch_on = cs.Stream(device=0), cs.Stream(device=0)
+    s1, side1 = cs.Stream(device=1), cs.Stream(device=1)
+    x = sim.asarray(np.zeros(4, np.float32), device=1)
+    tx = cs.track(x)
+    with cs.sanitize():
+        s1.begin_capture("relaxed")
+        s0.begin_capture("relaxed")
+        side1.wait(s0.record())  # (side1 joins device 0's capture)
+        with tx.writing(side1):
+            sim.launch(side1, _fill(9.0), x, writes=[x], duration=SLOW)
+        s0.wait(side1.record())
+        graph0 = s0.end_capture()
+        graph1 = s1.end_capture()
+        assert graph1._capture is not None and not graph1._capture.touched
+        graph0.launch(launch_on)
+        got = _consumed(x)
+        launch_on.synchronize()
+    graph0.close()
+    graph1.close()
+    assert (got == 9.0).all(), got
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["noted", "control"])
+def test_a_consumer_read_recorded_between_the_drivers_end_and_the_look_is_noted(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer's read open on the capturing stream, which a captured kernel
+    reads; another thread's writer records it while ``end_capture`` runs (after
+    the driver's end, before the look for open reads). Its record hands the
+    array to the graph, so a writer after the launch waits for its read."""
+    if not fixed:
+        monkeypatch.setattr(_capture, "ended_in", lambda *args: None)
+    backend = cs.current_backend()
+    s, launch_on, w0, w = cs.Stream(), cs.Stream(), cs.Stream(), cs.Stream()
+    x = sim.asarray(np.full(4, 5.0, np.float32))
+    out = sim.asarray(np.zeros(4, np.float32))
+    tx = cs.track(x)
+
+    def writer() -> None:
+        with tx.writing(w0):  # (records the consumer's read on s, and waits for it)
+            sim.launch(w0, _fill(6.0), x, writes=[x])
+        w0.synchronize()
+
+    real_end = type(backend).end_capture
+
+    def end_capture(self: Any, stream: int) -> int:
+        graph: int = real_end(self, stream)
+        thread = threading.Thread(target=writer)
+        thread.start()
+        thread.join(10)
+        return graph
+
+    with cs.sanitize(False):
+        view = cs.consume_blocking(tx, stream=s, timeout=10)
+        s.begin_capture("global")
+        sim.launch(s, _copy, out, view, reads=[view], writes=[out], duration=SLOW)
+        monkeypatch.setattr(type(backend), "end_capture", end_capture)
+        graph = s.end_capture()
+        monkeypatch.setattr(type(backend), "end_capture", real_end)
+        graph.launch(launch_on)
+        with tx.writing(w):  # after the launch's read of x
+            sim.launch(w, _fill(7.0), x, writes=[x])
+        launch_on.synchronize()
+        w.synchronize()
+    graph.close()
+    assert (out.to_host() == (6.0 if fixed else 7.0)).all()

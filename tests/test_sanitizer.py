@@ -513,6 +513,29 @@ def test_a_launch_of_a_graph_over_freed_memory_is_named(freed: bool) -> None:
     backend.destroy_graph_exec(graph)
 
 
+def test_a_launch_of_a_graph_over_memory_freed_during_its_capture_is_named() -> None:
+    """Freed while the capture is under way, and not taken again by it: a
+    launch writes the block's new owner (it was accepted once frees during a
+    capture were not looked at)."""
+    import gc
+
+    backend, c, on = cs.current_backend(), cs.Stream(), cs.Stream()
+    x = sim.asarray(np.zeros(64, np.float32))
+    backend.begin_capture(c.handle, "thread_local")
+    try:
+        w(c, x)
+        del x
+        gc.collect()  # (back to the pool, inside the capture)
+    finally:
+        graph = backend.instantiate_graph(backend.end_capture(c.handle))
+    z = sim.asarray(np.full(64, 5.0, np.float32))
+    with pytest.raises(cs.HazardError, match="memory freed since the capture"):
+        backend.launch_graph(graph, on.handle)
+    on.synchronize()
+    assert (z.to_host() == 5.0).all()
+    backend.destroy_graph_exec(graph)
+
+
 def test_a_temporary_freed_and_taken_again_inside_one_capture_is_no_hazard() -> None:
     """A capture frees a temporary and the pool gives its block to the next
     one, which lives as long as the graph: every launch is correct (each
