@@ -108,8 +108,8 @@ def note_captured(work: object, writes: bool, key: StreamId) -> None:
                 return
             for gone in [k for k in _active if capturing(k.backend, k) is False]:
                 del _active[gone]  # ended or destroyed behind the library's back
-            for fork in [k for k, c in _forks.items() if _active.get(c.origin) is not c]:
-                del _forks[fork]
+            for joined_key in [k for k, c in _forks.items() if _active.get(c.origin) is not c]:
+                del _forks[joined_key]
             found = [c for c in _active.values() if c.backend is key.backend]
             here = [c for c in found if c.device == key.device]
             if len(here) == 1 or (not here and len(found) == 1):

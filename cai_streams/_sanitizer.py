@@ -800,9 +800,7 @@ def _stale_at_end(
     after the free within the freed block: a temporary that took the block,
     whose owner the graph's user keeps), or None."""
     for lo, hi, before in frees:
-        again = any(
-            b > lo and a < hi for items, _, _ in operations[before:] for _, a, b in items
-        )
+        again = any(b > lo and a < hi for items, _, _ in operations[before:] for _, a, b in items)
         if again:
             continue
         for items, what, site in operations[:before]:
