@@ -82,7 +82,7 @@ from ._pending import PendingWork
 from ._poller import check_timeout, wait_blocking, wait_for_events
 from ._running import checkpoint
 from ._scheduler import Scheduler, any_scheduler, export_stream_of, scheduler_for
-from ._stream import Stream, as_stream
+from ._stream import Stream, as_stream, lending
 from ._tracebacks import release_frames
 from ._tracked import BLOCK_TIMEOUT, TrackedArray, lookup
 
@@ -538,7 +538,9 @@ def _dlpack_handoff(obj: object, s: Stream | None, synced: bool, backend: Backen
         row = _DLPackHost(sched, view, s)
         row.landing = landing
         return row
-    view = take(obj, s.handle if mode is Mode.DLPACK_ENQUEUE and s is not None else None, device)
+    lent = s if mode is Mode.DLPACK_ENQUEUE else None
+    with lending(lent):  # (a tracked producer of ours keeps the consumer's read open on s)
+        view = take(obj, None if lent is None else lent.handle, device)
     return _ROWS[mode](sched, view, s)
 
 

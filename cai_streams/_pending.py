@@ -159,6 +159,10 @@ class PendingWork:
                 return
             if old.key != new.key or old.disjoint != new.disjoint or old.captured != captured:
                 continue
+            if not order_known(new.key) and not old.stream._records_later():
+                # another library's handle, whose stream may have been destroyed
+                # and the handle given to this one: the old access is not covered
+                continue
             if old.state is AccessState.LAZY and new.state is not AccessState.LAZY:
                 new.release()
                 return

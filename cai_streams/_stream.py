@@ -13,8 +13,9 @@ import numbers
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, cast
 
 from anyio.lowlevel import checkpoint
 
@@ -550,11 +551,45 @@ def _end_stream(
         warnings.warn(f"leaked stream {handle:#x}: {exc}", CudaWarning, stacklevel=1)
 
 
+#: streams this thread is handing, by handle, to a producer's ``__dlpack__``
+#: (:func:`lending`): handle -> the library's wrapper
+_lent = threading.local()
+
+
+@contextmanager
+def lending(s: Stream | None) -> Iterator[None]:
+    """In the block, :func:`as_stream` of ``s``'s handle in this thread gives
+    ``s`` itself: a producer's ``__dlpack__(stream=handle)`` called by the
+    library then sees the stream object the library keeps alive (the
+    consumer's read stays open), not a bare handle. Does not block."""
+    if s is None:
+        yield
+        return
+    table: dict[int, Stream] = _lent.__dict__.setdefault("streams", {})
+    handle = s.handle
+    previous = table.get(handle)
+    table[handle] = s
+    try:
+        yield
+    finally:
+        if previous is None:
+            del table[handle]
+        else:
+            table[handle] = previous
+
+
 def as_stream(stream: object, backend: Backend) -> Stream:
     """``stream`` (a Stream or anything :meth:`Stream.wrap` takes) as a Stream of
     ``backend``; ValueError when it belongs to another backend."""
     if isinstance(stream, Stream):
         s = stream
+    elif (
+        type(stream) is int
+        and (lent := _lent.__dict__.get("streams"))
+        and (found := lent.get(stream)) is not None
+        and found.backend is backend
+    ):
+        return cast(Stream, found)
     else:
         s = Stream._borrow(stream_handle_of(stream), backend, stream)
     if s.backend is not backend:

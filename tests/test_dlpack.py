@@ -11,6 +11,7 @@ where it was, with no deleter call for a tensor already deleted.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import gc
 import sys
@@ -850,6 +851,48 @@ def test_dlpack_device_is_asked_once_so_a_producer_cannot_answer_two_ways(export
 
     with pytest.raises(cs.InterfaceError, match="on CUDA device 1.*reported device 0"):
         cs.consume_blocking(Flipping(inner), protocol="dlpack", timeout=5)
+
+
+@pytest.mark.parametrize("lent", [True, False], ids=["lent", "control"])
+def test_a_dlpack_consume_onto_another_librarys_stream_object_keeps_the_read_open(
+    lent: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``consume(producer, stream=obj)`` of a DLPack-only producer over a
+    tracked array, ``obj`` another library's stream object: the producer's
+    ``__dlpack__`` gets the handle, and sees the library's wrapper of ``obj``
+    (kept alive), so the consumer's later kernels count as its read and the
+    next writer waits for them. Control (no lending, as before): the handle
+    was a bare int, the read ended at the handoff, and the write came first."""
+    from cai_streams import _consume
+
+    if not lent:
+        monkeypatch.setattr(_consume, "lending", lambda s: contextlib.nullcontext())
+    backend = cs.current_backend()
+
+    class ForeignStream:
+        def __init__(self) -> None:
+            self.ptr = backend.create_stream()
+
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, self.ptr)
+
+    a = sim.asarray(np.zeros(16, np.float32))
+    t = cs.track(a)
+    consumer = ForeignStream()
+    out = sim.asarray(np.full(16, -1.0, np.float32))
+    with cs.sanitize(lent):  # (the control races on purpose)
+        view = cs.consume_blocking(DLPackOnly(t), stream=consumer, timeout=5)
+        sim.launch(consumer, lambda o, v: o.__setitem__(..., v), out, view, duration=0.2)
+        w = cs.Stream()
+        with t.writing(w):
+            sim.launch(w, lambda d: d.fill(9.0), a, writes=[a])
+        w.synchronize()
+        backend.synchronize_stream(consumer.ptr)
+    assert (out.to_host() == (0.0 if lent else 9.0)).all()
+    del view
+    gc.collect()
+    cs.stats()  # (the view's hold, recorded on the stream before it goes)
+    backend.destroy_stream(consumer.ptr)
 
 
 @pytest.mark.parametrize("own", [True, False], ids=["landing stream", "control"])

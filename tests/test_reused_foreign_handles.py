@@ -199,3 +199,73 @@ def test_a_capture_on_another_librarys_stream_waits_for_nothing_of_its_own(
     finally:
         s.end_capture().close()  # (raises if the capture was invalidated)
     s.synchronize()
+
+
+@pytest.mark.parametrize("second", ["reading", "consuming"])
+@pytest.mark.parametrize("fixed", [True, False], ids=["both kept", "control"])
+def test_a_read_on_the_new_stream_does_not_replace_the_old_streams_read(
+    fixed: bool, second: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow read on the old stream, then a read on the new stream (its
+    handle): the next writer waits for both (the new one replaced the old in
+    the array's list, and the write overwrote the data under the old read)."""
+    if not fixed:
+        _as_before(monkeypatch, _pending)
+    backend = cs.current_backend()
+    a = sim.asarray(np.zeros(N, np.float32))
+    t = cs.track(a)
+    out = sim.asarray(np.full(N, -1.0, np.float32))
+    x = backend.create_stream()
+    with t.reading(x):
+        sim.launch(x, _copy, out, a, reads=[a], writes=[out], duration=SLOW)
+    backend.destroy_stream(x)
+    y = _reused(backend, x)
+    if second == "reading":
+        with t.reading(y):
+            pass
+    else:
+
+        async def body() -> None:
+            async with cs.consuming(t, stream=y, timeout=5):
+                pass
+
+        anyio.run(body)
+    w = cs.Stream()
+    with t.writing(w):
+        sim.launch(w, lambda d: d.fill(100.0), a, writes=[a])
+    w.synchronize()
+    time.sleep(SLOW)
+    assert (out.to_host() == (0.0 if fixed else 100.0)).all()
+    backend.destroy_stream(y)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["both kept", "control"])
+def test_a_disjoint_write_on_the_new_stream_does_not_replace_the_old_streams(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Disjoint writes of two halves, the first slow on the old stream, the
+    second on the new one: a consumer waits for both halves."""
+    if not fixed:
+        _as_before(monkeypatch, _pending)
+    backend = cs.current_backend()
+    a = sim.asarray(np.zeros(N, np.float32))
+    t = cs.track(a)
+    low, high = a[: N // 2], a[N // 2 :]
+    x = backend.create_stream()
+    with t.writing(x, disjoint=True):
+        sim.launch(x, lambda d: d.fill(1.0), low, writes=[low], duration=SLOW)
+    backend.destroy_stream(x)
+    y = _reused(backend, x)
+    with t.writing(y, disjoint=True):
+        sim.launch(y, lambda d: d.fill(2.0), high, writes=[high])
+    out = sim.asarray(np.full(N, -1.0, np.float32))
+    c = cs.Stream()
+    view = cs.consume_blocking(t, stream=c, timeout=5)
+    sim.launch(c, _copy, out, view, reads=[view], writes=[out])
+    c.synchronize()
+    got = out.to_host()
+    time.sleep(SLOW)
+    assert (got[N // 2 :] == 2.0).all()
+    assert (got[: N // 2] == (1.0 if fixed else 0.0)).all(), got
+    del view
+    backend.destroy_stream(y)
