@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from . import _capture, _capture_guard, _observe
 from ._access import Access, AccessState, Counters, Kind
@@ -32,6 +32,7 @@ from ._blocks import Blocked, OpenBlock, Owner
 from ._capture_guard import StreamPhase
 from ._config import settings
 from ._device import OnDevice, view_stream_id
+from ._errors import CudaError
 from ._identity import Lifetime, StreamId, order_known, stream_id_now
 from ._interface import ArrayView, byte_range, stream_of
 from ._stream import Stream
@@ -40,6 +41,10 @@ __all__ = ["MAX_OPEN_READS", "PendingWork"]
 
 #: consumer reads of one buffer held open (lazy) at once; see ``_consumer_read``
 MAX_OPEN_READS = 32
+
+
+#: accesses on another library's stream looked at per add (``_drop_seen_complete``)
+_FOREIGN_QUERIES: Final = 4
 
 
 class _Locked:
@@ -154,6 +159,8 @@ class PendingWork:
             self.group += 1
         accesses = self.writes if new.kind is Kind.WRITE else self.reads
         captured = new.captured
+        if not order_known(new.key):
+            self._drop_seen_complete(accesses, new.key)
         for i, old in enumerate(accesses):
             if old is new:  # (a block's record at close, added again at its exit)
                 return
@@ -161,7 +168,8 @@ class PendingWork:
                 continue
             if not order_known(new.key) and not old.stream._records_later():
                 # another library's handle, whose stream may have been destroyed
-                # and the handle given to this one: the old access is not covered
+                # and the handle given to this one: it does not cover the old one,
+                # which stays until seen complete (_drop_seen_complete)
                 continue
             if old.state is AccessState.LAZY and new.state is not AccessState.LAZY:
                 new.release()
@@ -178,6 +186,21 @@ class PendingWork:
                 del accesses[i]
                 break
         access.release()
+
+    def _drop_seen_complete(self, accesses: list[Access], key: StreamId) -> None:
+        """Lock held: drop the recorded accesses on another library's stream
+        ``key`` (whose handle may have passed to a new stream since: nothing
+        newer covers them) that a query finds complete, so that a handle used
+        again and again keeps only its unfinished ones: the oldest few, a query
+        each (each add looks at as many as it can add, and more)."""
+        found = [a for a in accesses if a.key == key and not a.stream._records_later()]
+        for a in found[:_FOREIGN_QUERIES]:
+            try:
+                done = a.is_complete()
+            except CudaError:  # (its failure is raised where it is waited for)
+                continue
+            if done:
+                self._drop(a)
 
     def _drop_complete(self, accesses: list[Access]) -> None:
         for a in list(accesses):

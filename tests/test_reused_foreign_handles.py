@@ -269,3 +269,21 @@ def test_a_disjoint_write_on_the_new_stream_does_not_replace_the_old_streams(
     assert (got[: N // 2] == (1.0 if fixed else 0.0)).all(), got
     del view
     backend.destroy_stream(y)
+
+
+def test_reads_on_one_bare_handle_do_not_pile_up() -> None:
+    """Reads on another library's stream are each kept until seen complete
+    (a newer one on the same handle may be another stream's), not for good:
+    each new one drops a few seen complete, so three thousand blocks keep
+    about as many as the stream has not run yet (all were kept, each with
+    its event), not three thousand."""
+    backend = cs.current_backend()
+    t = cs.track(sim.empty(16))
+    x = backend.create_stream()
+    for _ in range(3):
+        for _ in range(1000):
+            with t.reading(x):
+                pass
+        assert len(t._work.reads) < 250, len(t._work.reads)
+    backend.synchronize_stream(x)
+    backend.destroy_stream(x)
