@@ -64,36 +64,25 @@ def _consumed(x: Any) -> Any:
     return got.copy()
 
 
-@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+@pytest.mark.parametrize(
+    ("opened", "mode"),
+    [("before", "global"), ("before", "thread_local"), ("before", "relaxed"), ("inside", "global")],
+)
 @pytest.mark.parametrize("fixed", [True, False], ids=["noted", "control"])
-def test_a_capture_inside_a_writing_block_orders_the_next_consumer_after_each_launch(
-    mode: str, fixed: bool, monkeypatch: pytest.MonkeyPatch
+def test_a_capture_ending_inside_a_writing_block_orders_the_next_consumer_after_each_launch(
+    opened: str, mode: str, fixed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The block opened before the capture began, or inside it; the capture
+    ends inside the block either way."""
     s, launch_on = cs.Stream(), cs.Stream()
     x = sim.asarray(np.zeros(4, np.float32))
     tx = cs.track(x)
     with _as_fixed(fixed, monkeypatch):
-        with tx.writing(s):
+        if opened == "inside":
             s.begin_capture(mode)
-            sim.launch(s, _fill(9.0), x, writes=[x], duration=SLOW)
-            graph = s.end_capture()
-        graph.launch(launch_on)
-        got = _consumed(x)
-        launch_on.synchronize()
-    graph.close()
-    assert (got == (9.0 if fixed else 0.0)).all(), got
-
-
-@pytest.mark.parametrize("fixed", [True, False], ids=["noted", "control"])
-def test_a_block_opened_in_a_capture_and_ended_after_it_orders_the_next_consumer(
-    fixed: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    s, launch_on = cs.Stream(), cs.Stream()
-    x = sim.asarray(np.zeros(4, np.float32))
-    tx = cs.track(x)
-    with _as_fixed(fixed, monkeypatch):
-        s.begin_capture("global")
         with tx.writing(s):
+            if opened == "before":
+                s.begin_capture(mode)
             sim.launch(s, _fill(9.0), x, writes=[x], duration=SLOW)
             graph = s.end_capture()
         graph.launch(launch_on)
@@ -103,44 +92,29 @@ def test_a_block_opened_in_a_capture_and_ended_after_it_orders_the_next_consumer
     assert (got == (9.0 if fixed else 0.0)).all(), got
 
 
+@pytest.mark.parametrize("reader", ["reading() block", "consume(stream=s)"])
 @pytest.mark.parametrize("fixed", [True, False], ids=["noted", "control"])
-def test_a_capture_inside_a_reading_block_orders_the_next_writer_after_each_launch(
-    fixed: bool, monkeypatch: pytest.MonkeyPatch
+def test_a_read_open_when_its_capture_ends_orders_the_next_writer_after_each_launch(
+    reader: str, fixed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Write after read: the graph's read of ``x`` comes before the writer's fill."""
+    """Write after read: the graph's read of ``x`` comes before the writer's
+    fill. The read is a ``reading()`` block the capture ends in, or the
+    consumer's read from ``consume(x, stream=s)``, open when it ends."""
     s, launch_on, w = cs.Stream(), cs.Stream(), cs.Stream()
     x = sim.asarray(np.full(4, 5.0, np.float32))
     out = sim.asarray(np.zeros(4, np.float32))
     tx = cs.track(x)
     with _as_fixed(fixed, monkeypatch):
-        with tx.reading(s):
+        if reader == "reading() block":
+            with tx.reading(s):
+                s.begin_capture("global")
+                sim.launch(s, _copy, out, x, reads=[x], writes=[out], duration=SLOW)
+                graph = s.end_capture()
+        else:
+            view = cs.consume_blocking(tx, stream=s, timeout=10)
             s.begin_capture("global")
-            sim.launch(s, _copy, out, x, reads=[x], writes=[out], duration=SLOW)
+            sim.launch(s, _copy, out, view, reads=[view], writes=[out], duration=SLOW)
             graph = s.end_capture()
-        graph.launch(launch_on)
-        with tx.writing(w):
-            sim.launch(w, _fill(7.0), x, writes=[x])
-        launch_on.synchronize()
-        w.synchronize()
-    graph.close()
-    assert (out.to_host() == (5.0 if fixed else 7.0)).all()
-
-
-@pytest.mark.parametrize("fixed", [True, False], ids=["noted", "control"])
-def test_a_capture_after_a_consume_onto_its_stream_orders_the_next_writer_after_each_launch(
-    fixed: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``consume(x, stream=s)``, then a capture on ``s`` reads the view: the
-    consumer's read is still open on ``s`` when the capture ends."""
-    s, launch_on, w = cs.Stream(), cs.Stream(), cs.Stream()
-    x = sim.asarray(np.full(4, 5.0, np.float32))
-    out = sim.asarray(np.zeros(4, np.float32))
-    tx = cs.track(x)
-    with _as_fixed(fixed, monkeypatch):
-        view = cs.consume_blocking(tx, stream=s, timeout=10)
-        s.begin_capture("global")
-        sim.launch(s, _copy, out, view, reads=[view], writes=[out], duration=SLOW)
-        graph = s.end_capture()
         graph.launch(launch_on)
         with tx.writing(w):
             sim.launch(w, _fill(7.0), x, writes=[x])

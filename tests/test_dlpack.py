@@ -795,6 +795,19 @@ def test_a_lying_producer_is_refused_and_its_capsule_deleted_by_numpy() -> None:
     assert sys.getrefcount(base) == before
 
 
+def _on_device_1() -> Any:
+    """A simulated array on device 1 (the test is skipped with one device)."""
+    backend = cs.current_backend()
+    if backend.device_count() < 2:
+        pytest.skip("needs two simulated devices")
+    previous = backend.current_device()
+    backend.set_device(1)
+    try:
+        return sim.asarray(np.ones(4, np.float32))
+    finally:
+        backend.set_device(previous)
+
+
 @pytest.mark.parametrize("stream", [None, "a stream"])
 def test_a_capsule_on_another_device_than_dlpack_device_says_is_refused(
     exports: None, stream: str | None
@@ -804,15 +817,7 @@ def test_a_capsule_on_another_device_than_dlpack_device_says_is_refused(
     device, so the view would name the wrong device's stream. Refused,
     naming both devices; the capsule is not taken (its own destructor frees
     it) and the producer's array is not kept. (It was taken as is.)"""
-    backend = cs.current_backend()
-    if backend.device_count() < 2:
-        pytest.skip("needs two simulated devices")
-    previous = backend.current_device()
-    backend.set_device(1)
-    try:
-        inner = sim.asarray(np.ones(4, np.float32))
-    finally:
-        backend.set_device(previous)
+    inner = _on_device_1()
 
     class WrongDevice(DLPackOnly):
         def __dlpack_device__(self) -> tuple[int, int]:
@@ -832,15 +837,7 @@ def test_dlpack_device_is_asked_once_so_a_producer_cannot_answer_two_ways(export
     capsule is checked against that same answer (it was asked again, and a
     second answer that matched the capsule let a stream of the wrong device
     through)."""
-    backend = cs.current_backend()
-    if backend.device_count() < 2:
-        pytest.skip("needs two simulated devices")
-    previous = backend.current_device()
-    backend.set_device(1)
-    try:
-        inner = sim.asarray(np.ones(4, np.float32))
-    finally:
-        backend.set_device(previous)
+    inner = _on_device_1()
 
     class Flipping(DLPackOnly):
         asked = 0
