@@ -160,7 +160,7 @@ class PendingWork:
         accesses = self.writes if new.kind is Kind.WRITE else self.reads
         captured = new.captured
         if not order_known(new.key):
-            self._drop_seen_complete(accesses, new.key)
+            self._drop_seen_complete(accesses, new)
         for i, old in enumerate(accesses):
             if old is new:  # (a block's record at close, added again at its exit)
                 return
@@ -187,13 +187,17 @@ class PendingWork:
                 break
         access.release()
 
-    def _drop_seen_complete(self, accesses: list[Access], key: StreamId) -> None:
-        """Lock held: drop the recorded accesses on another library's stream
-        ``key`` (whose handle may have passed to a new stream since: nothing
-        newer covers them) that a query finds complete, so that a handle used
-        again and again keeps only its unfinished ones: the oldest few, a query
-        each (each add looks at as many as it can add, and more)."""
-        found = [a for a in accesses if a.key == key and not a.stream._records_later()]
+    def _drop_seen_complete(self, accesses: list[Access], new: Access) -> None:
+        """Lock held, ``new`` being added: drop the recorded accesses on its
+        stream, another library's (whose handle may have passed to a new stream
+        since: nothing newer covers them), that a query finds complete, so that
+        a handle used again and again keeps only its unfinished ones: the
+        oldest few, a query each (each add looks at more than it adds)."""
+        found = [
+            a
+            for a in accesses
+            if a.key == new.key and a is not new and not a.stream._records_later()
+        ]
         for a in found[:_FOREIGN_QUERIES]:
             try:
                 done = a.is_complete()
