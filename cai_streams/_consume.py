@@ -449,9 +449,9 @@ class _DLPackEnqueue(_Handoff):
 
 
 class _DLPackOptOut(_Ready):
-    mode = (
-        Mode.DLPACK_OPT_OUT
-    )  # (a view handed to ``stream=s`` keeps its owner: see _TrackedOptOut)
+    """A view handed to ``stream=s`` keeps its owner (see ``_TrackedOptOut``)."""
+
+    mode = Mode.DLPACK_OPT_OUT
 
 
 #: the ``me`` passed to the ``begin`` of rows that never look at it (``needs_owner``)
