@@ -231,6 +231,15 @@ class Access:
         elif state is AccessState.RECORDED and self.pins == 0:
             self._give_back()
 
+    def record_again(self) -> None:
+        """A recorded, unpinned access records anew on its stream (after a wait
+        the caller enqueued there): the new event covers that wait too. The
+        old event goes back to its pool. Only enqueues."""
+        event, pool, mark = self.event, self.pool, self.mark
+        self._record()
+        if event and pool is not None:
+            pool.release(event, self.stream, mark)
+
     def _give_back(self) -> None:
         event, self.event = self.event, 0
         if event and self.pool is not None:

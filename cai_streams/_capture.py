@@ -103,7 +103,11 @@ def note_captured(work: object, writes: bool, key: StreamId) -> None:
         capture = _active.get(key)
         if capture is None:
             fork = _forks.get(key)
-            if fork is not None and _active.get(fork.origin) is fork:
+            if (
+                fork is not None
+                and _active.get(fork.origin) is fork
+                and capturing(fork.backend, fork.origin) is True  # (not ended unseen: a reset)
+            ):
                 _touch(fork, work, writes)
                 return
             for gone in [k for k in _active if capturing(k.backend, k) is False]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 from . import _capture, _capture_guard, _observe
 from ._access import Access, AccessState, Counters, Kind
@@ -41,10 +41,6 @@ __all__ = ["MAX_OPEN_READS", "PendingWork"]
 
 #: consumer reads of one buffer held open (lazy) at once; see ``_consumer_read``
 MAX_OPEN_READS = 32
-
-
-#: accesses on another library's stream looked at per add (``_drop_seen_complete``)
-_FOREIGN_QUERIES: Final = 4
 
 
 class _Locked:
@@ -159,17 +155,16 @@ class PendingWork:
             self.group += 1
         accesses = self.writes if new.kind is Kind.WRITE else self.reads
         captured = new.captured
-        if not order_known(new.key):
-            self._drop_seen_complete(accesses, new)
         for i, old in enumerate(accesses):
             if old is new:  # (a block's record at close, added again at its exit)
                 return
             if old.key != new.key or old.disjoint != new.disjoint or old.captured != captured:
                 continue
-            if not order_known(new.key) and not old.stream._records_later():
-                # another library's handle, whose stream may have been destroyed
-                # and the handle given to this one: it does not cover the old one,
-                # which stays until seen complete (_drop_seen_complete)
+            if (
+                not order_known(new.key)
+                and not old.stream._records_later()
+                and not self._covers_foreign(new, old)
+            ):
                 continue
             if old.state is AccessState.LAZY and new.state is not AccessState.LAZY:
                 new.release()
@@ -187,24 +182,27 @@ class PendingWork:
                 break
         access.release()
 
-    def _drop_seen_complete(self, accesses: list[Access], new: Access) -> None:
-        """Lock held, ``new`` being added: drop the recorded accesses on its
-        stream, another library's (whose handle may have passed to a new stream
-        since: nothing newer covers them), that a query finds complete, so that
-        a handle used again and again keeps only its unfinished ones: the
-        oldest few, a query each (each add looks at more than it adds)."""
-        found = [
-            a
-            for a in accesses
-            if a.key == new.key and a is not new and not a.stream._records_later()
-        ]
-        for a in found[:_FOREIGN_QUERIES]:
-            try:
-                done = a.is_complete()
-            except CudaError:  # (its failure is raised where it is waited for)
-                continue
-            if done:
-                self._drop(a)
+    def _covers_foreign(self, new: Access, old: Access) -> bool:
+        """Lock held: make ``new`` cover ``old``, both on one handle of another
+        library's stream, whose stream may have been destroyed and the handle
+        given to ``new``'s since (stream order then says nothing between
+        them). Complete, ``old`` is covered already; else ``new``'s stream
+        waits for ``old``'s event and ``new`` records again after that wait, so
+        a handle used again and again keeps one access of each kind (one query,
+        and maybe a wait and a record). False: both are kept (a capture's
+        record, or a failed one's)."""
+        if new.state is not AccessState.RECORDED or old.state is not AccessState.RECORDED:
+            return False
+        if new.captured or old.captured or new.pins:
+            return False
+        try:
+            if old.is_complete():
+                return True
+        except CudaError:  # (its failure is raised where it is waited for)
+            return False
+        self.backend.stream_wait_event(new.stream.handle, old.event)
+        new.record_again()
+        return True
 
     def _drop_complete(self, accesses: list[Access]) -> None:
         for a in list(accesses):

@@ -357,6 +357,13 @@ class _State:
 
         self.lock.run_or_defer(change)
 
+    def widen(self, origin: Actor, items: list[tuple[str, int, int]]) -> None:
+        """Lock held: the span of the capture ``origin`` takes in ``items``."""
+        ends = [(a, b) for _, a, b in items if b > a]
+        if ends:
+            lo, hi = self.spans.get(origin, (ends[0][0], ends[0][1]))
+            self.spans[origin] = (min(lo, *(a for a, _ in ends)), max(hi, *(b for _, b in ends)))
+
     def _graphs_lose(self, lo: int, hi: int) -> None:
         """Lock held: memory ``[lo, hi)`` was freed. A graph that accesses it
         keeps the raw pointer: any later launch of it uses memory that is gone,
@@ -365,6 +372,9 @@ class _State:
         around it only. A capture under way notes the free with how many of
         its operations came before it (see :meth:`_stale_at_end`)."""
         for origin, operations in self.captured.items():
+            span = self.spans.get(origin)
+            if span is None or not (span[1] > lo and span[0] < hi):
+                continue  # (nothing of the capture is near it)
             if any(b > lo and a < hi for items, _, _ in operations for _, a, b in items):
                 self.freed_in.setdefault(origin, []).append((lo, hi, len(operations)))
         for key, operations in self.graphs.items():
@@ -597,6 +607,7 @@ class _Watcher(Observer):
             origin = state.capture_of.get(state.stream(backend, stream))
             if origin is not None:  # recorded, not run: checked when replayed
                 state.captured[origin].append((items, what, site))
+                state.widen(origin, items)
                 return
             actor, clock = state.enqueue(backend, stream)
             state.access(actor, clock, items, what, site)
@@ -730,6 +741,7 @@ class _Watcher(Observer):
         with state.lock:
             origin = state.stream(backend, stream)
             operations = state.graphs[(backend, graph, False)] = state.captured.pop(origin, [])
+            state.spans.pop(origin, None)  # (the graph's is found again, keyed by it)
             stale = _stale_at_end(operations, state.freed_in.pop(origin, []))
             if stale is not None:
                 state.stale[(backend, graph, False)] = stale
@@ -741,6 +753,7 @@ class _Watcher(Observer):
             origin = state.stream(backend, stream)
             state.captured.pop(origin, None)  # (never runs: nothing to check it against)
             state.freed_in.pop(origin, None)
+            state.spans.pop(origin, None)
             self._end_capture_of(origin)
 
     @staticmethod
@@ -773,6 +786,8 @@ class _Watcher(Observer):
             origin = state.capture_of.get(state.stream(backend, stream))
             if origin is not None:  # recorded into that capture, not run
                 state.captured[origin].extend(operations)
+                for items, _, _ in operations:
+                    state.widen(origin, items)
                 return
             actor, clock = state.enqueue(backend, stream)
             earlier = state.launches.get((backend, graph_exec))
@@ -796,12 +811,15 @@ def _stale_at_end(
     operations: list[Captured], frees: list[tuple[int, int, int]]
 ) -> tuple[str, str, int, int] | None:
     """At a capture's end: the first operation (what, where, range) that uses
-    memory freed later in the capture and not taken again by it (an access
-    after the free within the freed block: a temporary that took the block,
-    whose owner the graph's user keeps), or None."""
+    memory freed later in the capture and not taken again by it (the first
+    access after the free within the freed block is a write: a temporary that
+    took the block, written before it is read, whose owner the graph's user
+    keeps; a read there is of a new owner's data, which the earlier access
+    overwrites at each launch), or None."""
     for lo, hi, before in frees:
-        again = any(b > lo and a < hi for items, _, _ in operations[before:] for _, a, b in items)
-        if again:
+        after = [item for items, _, _ in operations[before:] for item in items]
+        first = next((kind for kind, a, b in after if a < hi and b > lo), None)
+        if first == "write":
             continue
         for items, what, site in operations[:before]:
             if any(b > lo and a < hi for _, a, b in items):

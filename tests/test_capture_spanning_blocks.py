@@ -329,3 +329,32 @@ def test_a_consumer_read_recorded_between_the_drivers_end_and_the_look_is_noted(
         w.synchronize()
     graph.close()
     assert (out.to_host() == (6.0 if fixed else 7.0)).all()
+
+
+def test_a_stream_joined_to_a_capture_a_reset_ended_is_taken_for_the_next_capture() -> None:
+    """A stream joined capture A through ``Stream.wait``; a reset ended A
+    unseen by the library; capture B begins, and the stream is forked into it
+    by a raw wait: its write is B's (it was taken for A's, and B's graph
+    ordered nothing: a consumer after B's launch read the old data)."""
+    backend = cs.current_backend()
+    s0, s1, joined, launch_on = cs.Stream(), cs.Stream(), cs.Stream(), cs.Stream()
+    with cs.sanitize(False):  # (a reset: the sanitizer's view of A's work ends there)
+        s0.begin_capture("relaxed")
+        joined.wait(s0)
+        sim.reset()  # (A ended, invalidated)
+        a = sim.asarray(np.zeros(4, np.float32))
+        ta = cs.track(a)
+        s1.begin_capture("relaxed")
+        event = backend.create_event()
+        backend.record(event, s1.handle)
+        backend.stream_wait_event(joined.handle, event)  # (a fork the library does not see)
+        with ta.writing(joined):
+            sim.launch(joined, _fill(3.0), a, writes=[a], duration=SLOW)
+        s1.wait(joined.record())
+        graph = s1.end_capture()
+        graph.launch(launch_on)
+        got = _consumed(a)
+        launch_on.synchronize()
+    graph.close()
+    backend.destroy_event(event)
+    assert (got == 3.0).all(), got

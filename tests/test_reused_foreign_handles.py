@@ -271,6 +271,29 @@ def test_a_disjoint_write_on_the_new_stream_does_not_replace_the_old_streams(
     backend.destroy_stream(y)
 
 
+def test_reads_on_one_busy_bare_handle_stay_one() -> None:
+    """Reads and disjoint writes handed again and again to another library's
+    stream that is held busy: each new one makes the stream wait for the one
+    before and takes its place, so the lists stay at one each (every one was
+    kept, and each handoff queried them all: quadratic)."""
+    backend = cs.current_backend()
+    t = cs.track(sim.asarray(np.zeros(16, np.float32)))
+    x = backend.create_stream()
+    latch = SimOps().latch(cs.Stream.wrap(x))
+    try:
+        for _ in range(100):  # (each leaves an event pending: the pool keeps 1,024 free)
+            cs.consume_blocking(t, stream=x)
+        assert len(t._work.reads) == 1
+        for _ in range(100):
+            with t.writing(x, disjoint=True):
+                pass
+        assert len(t._work.writes) == 1
+    finally:
+        latch.release()
+    backend.synchronize_stream(x)
+    backend.destroy_stream(x)
+
+
 def test_reads_on_one_bare_handle_do_not_pile_up() -> None:
     """Reads on another library's stream are each kept until seen complete
     (a newer one on the same handle may be another stream's), not for good:

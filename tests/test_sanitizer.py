@@ -536,6 +536,34 @@ def test_a_launch_of_a_graph_over_memory_freed_during_its_capture_is_named() -> 
     backend.destroy_graph_exec(graph)
 
 
+def test_a_block_freed_in_a_capture_and_given_to_a_buffer_it_only_reads_is_named() -> None:
+    """A scratch array written in the capture and freed there; the graph's
+    input, made in the capture, gets its block and is only read: each launch
+    writes the scratch value over the input (a later access in the block was
+    taken for a temporary that took it)."""
+    import gc
+
+    backend, c, on = cs.current_backend(), cs.Stream(), cs.Stream()
+    out = sim.asarray(np.zeros(64, np.float32))
+    x = sim.asarray(np.zeros(64, np.float32))
+    address = x.ptr
+    backend.begin_capture(c.handle, "thread_local")
+    try:
+        w(c, x)
+        del x
+        gc.collect()  # (back to the pool, inside the capture)
+        y = sim.empty(64, "float32")
+        assert y.ptr == address  # (the caching allocator gave it the block)
+        sim.launch(c, lambda o, a: o.__setitem__(..., a), out, y, reads=[y], writes=[out])
+    finally:
+        graph = backend.instantiate_graph(backend.end_capture(c.handle))
+    with pytest.raises(cs.HazardError, match="memory freed since the capture"):
+        backend.launch_graph(graph, on.handle)
+    on.synchronize()
+    del y
+    backend.destroy_graph_exec(graph)
+
+
 def test_a_temporary_freed_and_taken_again_inside_one_capture_is_no_hazard() -> None:
     """A capture frees a temporary and the pool gives its block to the next
     one, which lives as long as the graph: every launch is correct (each
