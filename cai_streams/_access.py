@@ -231,12 +231,13 @@ class Access:
         elif state is AccessState.RECORDED and self.pins == 0:
             self._give_back()
 
-    def record_again(self) -> None:
-        """A recorded, unpinned access records anew on its stream (after a wait
-        the caller enqueued there): the new event covers that wait too. The
-        old event goes back to its pool. Only enqueues."""
+    def record_again(self, on: StreamId) -> None:
+        """A recorded, unpinned access takes an event recorded now on the
+        stream ``on`` (a stream of the library's, which the caller made wait
+        for what the access and others cover: ``PendingWork._covers_foreign``)
+        in place of its own, which goes back to its pool. Only enqueues."""
         event, pool, mark = self.event, self.pool, self.mark
-        self._record()
+        self._record(on)
         if event and pool is not None:
             pool.release(event, self.stream, mark)
 

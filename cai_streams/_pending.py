@@ -186,22 +186,30 @@ class PendingWork:
         """Lock held: make ``new`` cover ``old``, both on one handle of another
         library's stream, whose stream may have been destroyed and the handle
         given to ``new``'s since (stream order then says nothing between
-        them). Complete, ``old`` is covered already; else ``new``'s stream
-        waits for ``old``'s event and ``new`` records again after that wait, so
-        a handle used again and again keeps one access of each kind (one query,
-        and maybe a wait and a record). False: both are kept (a capture's
-        record, or a failed one's)."""
+        them). Complete, ``old`` is covered already; else a stream of the
+        library's for that handle (``Scheduler.merging``) waits for both events
+        and ``new`` takes an event recorded there, so a handle used again and again keeps
+        one access of each kind (one query, and maybe two waits and a record).
+        Nothing is enqueued on the other library's stream: it may be gone, or
+        capturing, by now. False: both are kept (a capture's record, or a
+        failed one's)."""
         if new.state is not AccessState.RECORDED or old.state is not AccessState.RECORDED:
             return False
         if new.captured or old.captured or new.pins:
             return False
         try:
             if old.is_complete():
+                self.counters.add(elided=1)
                 return True
         except CudaError:  # (its failure is raised where it is waited for)
             return False
-        self.backend.stream_wait_event(new.stream.handle, old.event)
-        new.record_again()
+        from ._scheduler import scheduler_for  # late: it builds on this module
+
+        via = scheduler_for(self.backend, new.key.device).merging(new.key)
+        self.backend.stream_wait_event(via.handle, old.event)
+        self.backend.stream_wait_event(via.handle, new.event)
+        new.record_again(via._key())
+        self.counters.add(waits=2)
         return True
 
     def _drop_complete(self, accesses: list[Access]) -> None:

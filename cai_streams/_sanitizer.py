@@ -811,20 +811,46 @@ def _stale_at_end(
     operations: list[Captured], frees: list[tuple[int, int, int]]
 ) -> tuple[str, str, int, int] | None:
     """At a capture's end: the first operation (what, where, range) that uses
-    memory freed later in the capture and not taken again by it (the first
-    access after the free within the freed block is a write: a temporary that
-    took the block, written before it is read, whose owner the graph's user
-    keeps; a read there is of a new owner's data, which the earlier access
-    overwrites at each launch), or None."""
+    memory freed later in the capture and not taken again by it (a temporary
+    that took the block: the capture's accesses after the free reach it, and
+    read only bytes they wrote first; whose owner the graph's user keeps. A
+    read of a byte not written there is of a new owner's data, which the
+    earlier access overwrites at each launch), or None."""
     for lo, hi, before in frees:
-        after = [item for items, _, _ in operations[before:] for item in items]
-        first = next((kind for kind, a, b in after if a < hi and b > lo), None)
-        if first == "write":
+        if _taken_again(lo, hi, operations[before:]):
             continue
         for items, what, site in operations[:before]:
             if any(b > lo and a < hi for _, a, b in items):
                 return (what, site, lo, hi)
     return None
+
+
+def _taken_again(lo: int, hi: int, later: list[Captured]) -> bool:
+    """Whether the accesses ``later`` reach ``[lo, hi)`` and, in order, read
+    only bytes of it that they wrote first."""
+    written: list[tuple[int, int]] = []  # disjoint, sorted
+    reached = False
+    for items, _, _ in later:
+        for kind, a, b in items:
+            a, b = max(a, lo), min(b, hi)
+            if a >= b:
+                continue
+            reached = True
+            if kind == "write":
+                written = _merged([*written, (a, b)])
+            elif not any(x <= a and b <= y for x, y in written):
+                return False
+    return reached
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def _freed_under_graph(what: str, site: str, lo: int, hi: int) -> HazardError:

@@ -53,6 +53,9 @@ class Scheduler:
         #: streams of this device the library made for DLPack host consumes,
         #: kept for the next (see :meth:`landing`)
         self._landings: deque[Stream] = deque()
+        #: a stream of the library's per handle of another library's stream, on
+        #: which accesses there are merged (:meth:`merging`), oldest first
+        self._merges: dict[StreamId, Stream] = {}
 
     @property
     def export_stream(self) -> Stream:
@@ -85,6 +88,25 @@ class Scheduler:
             with self.lock:  # (still busy: a timed-out or cancelled consume's)
                 self._landings.append(s)
         return Stream(self.device)
+
+    def merging(self, key: StreamId) -> Stream:
+        """The stream of the library's on which accesses on ``key``, another
+        library's stream of this device, are merged (``PendingWork``): one per
+        such stream, so that a busy one holds up no other's merges; at most
+        ``MAX_MERGES``, the oldest closed beyond (what it has enqueued still
+        runs). Does not block."""
+        with self.lock:
+            s = self._merges.pop(key, None)
+            if s is None:
+                s = Stream(self.device)
+            self._merges[key] = s  # (the newest last)
+            gone = []
+            while len(self._merges) > MAX_MERGES:
+                oldest = next(iter(self._merges))
+                gone.append(self._merges.pop(oldest))
+        for old in gone:
+            old.close()
+        return s
 
     def landed(self, s: Stream) -> None:
         """``s``, from :meth:`landing`, is free again (its work may still run)."""
@@ -244,6 +266,8 @@ class Scheduler:
 ORPHAN_PAUSE: Final = 0.005
 #: streams :meth:`Scheduler.landing` keeps per device; beyond, they are closed
 MAX_LANDINGS: Final = 8
+#: streams :meth:`Scheduler.merging` keeps per device; beyond, the oldest is closed
+MAX_MERGES: Final = 32
 
 _schedulers: dict[tuple[Backend, int], Scheduler] = {}
 _schedulers_lock = threading.Lock()

@@ -310,3 +310,59 @@ def test_reads_on_one_bare_handle_do_not_pile_up() -> None:
         assert len(t._work.reads) < 250, len(t._work.reads)
     backend.synchronize_stream(x)
     backend.destroy_stream(x)
+
+
+@pytest.mark.parametrize("step", ["destroyed", "reused", "capturing"])
+def test_a_merge_enqueues_nothing_on_the_other_librarys_stream(
+    step: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other library, in its own thread, destroys its stream (and maybe
+    makes a new one with the handle) or begins a capture on it between a
+    handoff's record there and the merge of that record with an older one
+    (made deterministic: right after the record). The merge enqueues nothing
+    there: the handoff succeeds, the capture stays valid, and the next
+    consumer still waits for the write on the old stream (the merge recorded
+    again on the handle: a CudaError, a capture invalidated, or a record on
+    the new stream in place of the write's)."""
+    from cai_streams._access import Access
+
+    backend = cs.current_backend()
+    arr = sim.asarray(np.zeros(N, np.float32))
+    t = cs.track(arr)
+    h = backend.create_stream()
+    view = cs.consume_blocking(t, stream=h)  # (a view whose stream is h)
+    other = cs.Stream()
+    sim.launch(h, lambda: None, duration=0.1)
+    cs.consume_blocking(view, stream=other)  # (a write noted on h, pending)
+    sim.launch(h, lambda a: a.fill(7.0), arr, writes=[arr], duration=SLOW)
+    real = Access.recorded
+    new = 0
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        nonlocal new
+        access = real(*args, **kwargs)
+        if step == "capturing":
+            backend.begin_capture(h, "relaxed")
+        else:
+            backend.destroy_stream(h)
+            if step == "reused":
+                new = backend.create_stream()
+                assert new == h
+        return access
+
+    monkeypatch.setattr(Access, "recorded", recorded)
+    cs.consume_blocking(view, stream=other)  # (notes h again: merged with the first)
+    monkeypatch.setattr(Access, "recorded", real)
+    out = sim.asarray(np.zeros(N, np.float32))
+    got = cs.consume_blocking(t, stream=other)
+    sim.launch(other, _copy, out, got, reads=[got], writes=[out])
+    other.synchronize()
+    assert (out.to_host() == 7.0).all()
+    if step == "capturing":
+        assert backend.capture_status(h) == "active"
+        backend.destroy_graph(backend.end_capture(h))
+        backend.synchronize_stream(h)
+        backend.destroy_stream(h)
+    elif step == "reused":
+        backend.destroy_stream(new)
+    time.sleep(SLOW)

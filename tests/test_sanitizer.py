@@ -564,6 +564,36 @@ def test_a_block_freed_in_a_capture_and_given_to_a_buffer_it_only_reads_is_named
     backend.destroy_graph_exec(graph)
 
 
+def test_a_block_freed_in_a_capture_and_written_there_only_in_part_is_named() -> None:
+    """The block's new owner is written in part by the capture, then read
+    whole: the rest is its owner's data, which the scratch write before the
+    free overwrites at each launch (a first write after the free was taken
+    for a temporary that took the block)."""
+    import gc
+
+    backend, c, on = cs.current_backend(), cs.Stream(), cs.Stream()
+    out = sim.asarray(np.zeros(64, np.float32))
+    x = sim.asarray(np.zeros(64, np.float32))
+    address = x.ptr
+    backend.begin_capture(c.handle, "thread_local")
+    try:
+        w(c, x)
+        del x
+        gc.collect()
+        y = sim.empty(64, "float32")
+        assert y.ptr == address  # (the caching allocator gave it the block)
+        half = y[:32]
+        sim.launch(c, lambda a: a.fill(1.0), half, writes=[half])
+        sim.launch(c, lambda o, a: o.__setitem__(..., a), out, y, reads=[y], writes=[out])
+    finally:
+        graph = backend.instantiate_graph(backend.end_capture(c.handle))
+    with pytest.raises(cs.HazardError, match="memory freed since the capture"):
+        backend.launch_graph(graph, on.handle)
+    on.synchronize()
+    del y, half
+    backend.destroy_graph_exec(graph)
+
+
 def test_a_temporary_freed_and_taken_again_inside_one_capture_is_no_hazard() -> None:
     """A capture frees a temporary and the pool gives its block to the next
     one, which lives as long as the graph: every launch is correct (each
