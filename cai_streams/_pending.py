@@ -187,7 +187,7 @@ class PendingWork:
         library's stream, whose stream may have been destroyed and the handle
         given to ``new``'s since (stream order then says nothing between
         them). Complete, ``old`` is covered already; else a stream of the
-        library's for that handle (``Scheduler.merging``) waits for both events
+        library's (``Scheduler.merging``) waits for both events
         and ``new`` takes an event recorded there, so a handle used again and again keeps
         one access of each kind (one query, and maybe two waits and a record).
         Nothing is enqueued on the other library's stream: it may be gone, or
@@ -205,10 +205,13 @@ class PendingWork:
             return False
         from ._scheduler import scheduler_for  # late: it builds on this module
 
-        via = scheduler_for(self.backend, new.key.device).merging(new.key)
-        self.backend.stream_wait_event(via.handle, old.event)
-        self.backend.stream_wait_event(via.handle, new.event)
-        new.record_again(via._key())
+        try:
+            via = scheduler_for(self.backend, new.key.device).merging(new.key)
+            self.backend.stream_wait_event(via.handle, old.event)
+            self.backend.stream_wait_event(via.handle, new.event)
+            new.record_again(via._key())
+        except (CudaError, ValueError):  # (both kept: nothing is lost)
+            return False
         self.counters.add(waits=2)
         return True
 

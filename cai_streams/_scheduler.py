@@ -53,9 +53,9 @@ class Scheduler:
         #: streams of this device the library made for DLPack host consumes,
         #: kept for the next (see :meth:`landing`)
         self._landings: deque[Stream] = deque()
-        #: a stream of the library's per handle of another library's stream, on
-        #: which accesses there are merged (:meth:`merging`), oldest first
-        self._merges: dict[StreamId, Stream] = {}
+        #: streams of the library's on which accesses on another library's
+        #: streams are merged (:meth:`merging`), made as needed
+        self._merges: list[Stream | None] = [None] * MERGE_STREAMS
 
     @property
     def export_stream(self) -> Stream:
@@ -87,25 +87,19 @@ class Scheduler:
                 return s
             with self.lock:  # (still busy: a timed-out or cancelled consume's)
                 self._landings.append(s)
-        return Stream(self.device)
+        return Stream._on(self.backend, self.device)
 
     def merging(self, key: StreamId) -> Stream:
         """The stream of the library's on which accesses on ``key``, another
-        library's stream of this device, are merged (``PendingWork``): one per
-        such stream, so that a busy one holds up no other's merges; at most
-        ``MAX_MERGES``, the oldest closed beyond (what it has enqueued still
-        runs). Does not block."""
+        library's stream of this device, are merged (``PendingWork``): one of
+        ``MERGE_STREAMS``, chosen by handle, so that a busy stream holds up
+        only the merges of the few handles that share its slot. Never closed
+        while the scheduler lives. Does not block."""
+        slot = hash(key.handle) % MERGE_STREAMS
         with self.lock:
-            s = self._merges.pop(key, None)
+            s = self._merges[slot]
             if s is None:
-                s = Stream(self.device)
-            self._merges[key] = s  # (the newest last)
-            gone = []
-            while len(self._merges) > MAX_MERGES:
-                oldest = next(iter(self._merges))
-                gone.append(self._merges.pop(oldest))
-        for old in gone:
-            old.close()
+                s = self._merges[slot] = Stream._on(self.backend, self.device)
         return s
 
     def landed(self, s: Stream) -> None:
@@ -266,8 +260,8 @@ class Scheduler:
 ORPHAN_PAUSE: Final = 0.005
 #: streams :meth:`Scheduler.landing` keeps per device; beyond, they are closed
 MAX_LANDINGS: Final = 8
-#: streams :meth:`Scheduler.merging` keeps per device; beyond, the oldest is closed
-MAX_MERGES: Final = 32
+#: the streams :meth:`Scheduler.merging` shares out per device
+MERGE_STREAMS: Final = 8
 
 _schedulers: dict[tuple[Backend, int], Scheduler] = {}
 _schedulers_lock = threading.Lock()

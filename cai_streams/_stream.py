@@ -152,9 +152,18 @@ class Stream(Unique):
 
         Does not block; enqueues nothing.
         """
+        self._make(current_backend(), device)
+
+    @classmethod
+    def _on(cls, backend: Backend, device: int) -> Stream:
+        """A new stream the library owns on ``backend`` (current or not)."""
+        self = cls.__new__(cls)
+        self._make(backend, device)
+        return self
+
+    def _make(self, backend: Backend, device: int | None) -> None:
         self._owned = False  # until the stream exists: __del__ must not destroy anything
         self._closed = True
-        backend = current_backend()
         if device is None:
             device = backend.current_device()
         elif isinstance(device, bool) or not isinstance(device, int):

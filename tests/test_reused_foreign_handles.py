@@ -366,3 +366,49 @@ def test_a_merge_enqueues_nothing_on_the_other_librarys_stream(
     elif step == "reused":
         backend.destroy_stream(new)
     time.sleep(SLOW)
+
+
+def test_merges_use_a_few_streams_of_the_arrays_backend_whichever_is_current() -> None:
+    """Reads merged on 33 busy streams of another library, five rounds, while
+    another backend is current for some: the merges make at most
+    ``MERGE_STREAMS`` streams, on the array's backend (a stream per handle,
+    the oldest closed, was made and destroyed at almost every merge; made on
+    the current backend, the merge raised and the block's read was lost), and
+    a writer after them still waits for the last reads."""
+    from cai_streams import _scheduler
+
+    backend = cs.current_backend()
+    a = sim.asarray(np.full(N, 5.0, np.float32))
+    t = cs.track(a)
+    out = sim.asarray(np.zeros(N, np.float32))
+    handles = [backend.create_stream() for _ in range(33)]
+    for h in handles:
+        sim.launch(h, lambda: None, duration=0.2)
+    made: list[int] = []
+    real = type(backend).create_stream
+
+    def create_stream(self: Any, *args: Any) -> int:
+        made.append(real(self, *args))
+        return made[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(backend), "create_stream", create_stream)
+        for round_ in range(5):
+            for h in handles:
+                if round_ == 4:
+                    cs.use_backend("decoy")
+                try:
+                    with t.reading(h):
+                        if h == handles[-1] and round_ == 4:
+                            sim.launch(h, _copy, out, a, reads=[a], writes=[out], duration=0.1)
+                finally:
+                    cs.use_backend("sim")
+    assert len(made) <= _scheduler.MERGE_STREAMS
+    w = cs.Stream()
+    with t.writing(w):
+        sim.launch(w, lambda d: d.fill(-1.0), a, writes=[a])
+    w.synchronize()
+    for h in handles:
+        backend.synchronize_stream(h)
+        backend.destroy_stream(h)
+    assert (out.to_host() == 5.0).all()
