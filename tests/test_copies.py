@@ -23,6 +23,8 @@ import pytest
 import cai_streams as cs
 from cai_streams import sim
 
+from .test_dlpack import DLPackOnly
+
 
 @pytest.fixture(autouse=True)
 def _sim() -> None:
@@ -36,19 +38,8 @@ def _graph() -> cs.Graph:
     return s.end_capture()
 
 
-class _DLPackOnly:
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __dlpack__(self, **kwargs: Any) -> Any:
-        return self.inner.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return self.inner.__dlpack_device__()  # type: ignore[no-any-return]
-
-
 def _dlpack_owner() -> Any:
-    return cs.consume_blocking(_DLPackOnly(sim.empty(4)), timeout=10).owner
+    return cs.consume_blocking(DLPackOnly(sim.empty(4)), timeout=10).owner
 
 
 MAKERS: dict[str, Callable[[], Any]] = {
@@ -117,7 +108,7 @@ def test_a_dropped_copy_of_a_dlpack_views_owner_deletes_no_tensor() -> None:
 
     before = live_exports()
     a = sim.asarray(np.full(1 << 12, 1.0, np.float32))
-    view = cs.consume_blocking(_DLPackOnly(a), timeout=10)
+    view = cs.consume_blocking(DLPackOnly(a), timeout=10)
     del a  # (the tensor keeps the memory)
     twin = copy.copy(view.owner)
     del twin

@@ -29,6 +29,7 @@ import cai_streams as cs
 from cai_streams import _capture_guard, _config, _hold, _hold_table, sim
 
 from .device_ops import DeviceOps, Latch, SimOps
+from .test_dlpack import DLPackOnly
 
 WAIT = 10.0  # seconds: every wait here is bounded by this
 
@@ -247,17 +248,6 @@ def test_sync_false_onto_a_stream_still_keeps_the_owner(
         with obj.writing(producer):
             pass
     else:
-
-        class DLPackOnly:
-            def __init__(self, x: Any) -> None:
-                self.x = x
-
-            def __dlpack__(self, **kwargs: Any) -> Any:
-                return self.x.__dlpack__(**kwargs)
-
-            def __dlpack_device__(self) -> tuple[int, int]:
-                return self.x.__dlpack_device__()  # type: ignore[no-any-return]
-
         obj = DLPackOnly(a)
     with cs.sanitize(False):  # (the control frees under the read on purpose)
         if mode == "blocking":
