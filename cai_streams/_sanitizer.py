@@ -188,7 +188,8 @@ class _State:
         #: captures and graphs (keyed as above) with an access to memory freed
         #: since it was captured: (what, where, the freed range), the first one
         self.stale: dict[Any, tuple[str, str, int, int]] = {}
-        self.spans: dict[Any, tuple[int, int]] = {}  # each graph's lowest and highest byte
+        #: the lowest and highest byte each graph, or capture under way, accesses
+        self.spans: dict[Any, tuple[int, int]] = {}
         #: frees during a capture of memory it accessed: (lo, hi, operations before it)
         self.freed_in: dict[Actor, list[tuple[int, int, int]]] = {}
         self.local = threading.local()
