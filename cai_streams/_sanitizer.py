@@ -812,13 +812,15 @@ def _stale_at_end(
     operations: list[Captured], frees: list[tuple[int, int, int]]
 ) -> tuple[str, str, int, int] | None:
     """At a capture's end: the first operation (what, where, range) that uses
-    memory freed later in the capture and not taken again by it (a temporary
-    that took the block: the capture's accesses after the free reach it, and
-    read only bytes they wrote first; whose owner the graph's user keeps. A
-    read of a byte not written there is of a new owner's data, which the
-    earlier access overwrites at each launch), or None."""
+    memory freed later in the capture and not scratch memory of it, or None.
+    A block is scratch when the capture's accesses on each side of its free
+    read only bytes of it they wrote first (in order, from that side's start),
+    and those after the free reach it: a temporary took the block, and the
+    graph's user keeps its owner. A read of a byte not written there is of data
+    from outside the graph (the freed array's, or a new owner's), which the
+    capture's other accesses overwrite at each launch."""
     for lo, hi, before in frees:
-        if _taken_again(lo, hi, operations[before:]):
+        if _taken_again(lo, hi, operations[before:]) and _writes_first(lo, hi, operations[:before]):
             continue
         for items, what, site in operations[:before]:
             if any(b > lo and a < hi for _, a, b in items):
@@ -829,19 +831,25 @@ def _stale_at_end(
 def _taken_again(lo: int, hi: int, later: list[Captured]) -> bool:
     """Whether the accesses ``later`` reach ``[lo, hi)`` and, in order, read
     only bytes of it that they wrote first."""
+    return _writes_first(lo, hi, later) and any(
+        b > lo and a < hi for items, _, _ in later for _, a, b in items
+    )
+
+
+def _writes_first(lo: int, hi: int, operations: list[Captured]) -> bool:
+    """Whether ``operations``, in order, read only bytes of ``[lo, hi)`` that
+    they wrote first."""
     written: list[tuple[int, int]] = []  # disjoint, sorted
-    reached = False
-    for items, _, _ in later:
+    for items, _, _ in operations:
         for kind, a, b in items:
             a, b = max(a, lo), min(b, hi)
             if a >= b:
                 continue
-            reached = True
             if kind == "write":
                 written = _merged([*written, (a, b)])
             elif not any(x <= a and b <= y for x, y in written):
                 return False
-    return reached
+    return True
 
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

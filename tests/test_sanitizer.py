@@ -570,6 +570,36 @@ def test_a_block_freed_in_a_capture_and_given_to_a_buffer_it_reads_is_named(writ
     backend.destroy_graph_exec(graph)
 
 
+def test_an_input_read_and_freed_in_a_capture_is_named_though_a_temporary_takes_it() -> None:
+    """The capture reads an array written before it, frees it, and a temporary
+    takes its block: at each launch the read gets the temporary's bytes from
+    the launch before, not the input's (the block was taken for scratch
+    memory, since the accesses after the free write before they read)."""
+    import gc
+
+    backend, c, on = cs.current_backend(), cs.Stream(), cs.Stream()
+    out = sim.asarray(np.zeros(64, np.float32))
+    res = sim.asarray(np.zeros(64, np.float32))
+    x = sim.asarray(np.full(64, 1.0, np.float32))
+    address = x.ptr
+    backend.begin_capture(c.handle, "thread_local")
+    try:
+        sim.launch(c, lambda o, a: o.__setitem__(..., a), out, x, reads=[x], writes=[out])
+        del x
+        gc.collect()  # (back to the pool, inside the capture)
+        tmp = sim.empty(64, "float32")
+        assert tmp.ptr == address  # (the caching allocator gave it the block)
+        sim.launch(c, lambda a: a.fill(9.0), tmp, writes=[tmp])
+        sim.launch(c, lambda o, a: o.__setitem__(..., a), res, tmp, reads=[tmp], writes=[res])
+    finally:
+        graph = backend.instantiate_graph(backend.end_capture(c.handle))
+    with pytest.raises(cs.HazardError, match="memory freed since the capture"):
+        backend.launch_graph(graph, on.handle)
+    on.synchronize()
+    del tmp
+    backend.destroy_graph_exec(graph)
+
+
 def test_a_temporary_freed_and_taken_again_inside_one_capture_is_no_hazard() -> None:
     """A capture frees a temporary and the pool gives its block to the next
     one, which lives as long as the graph: every launch is correct (each
