@@ -186,32 +186,44 @@ class PendingWork:
         """Lock held: make ``new`` cover ``old``, both on one handle of another
         library's stream, whose stream may have been destroyed and the handle
         given to ``new``'s since (stream order then says nothing between
-        them). Complete, ``old`` is covered already; else a stream of the
-        library's (``Scheduler.merging``) waits for both events
-        and ``new`` takes an event recorded there, so a handle used again and again keeps
+        them). Complete, ``old`` is covered already; else an idle stream of
+        the library's (``Scheduler.merging``) waits for both events and ``new``
+        takes an event recorded there, so a handle used again and again keeps
         one access of each kind (one query, and maybe two waits and a record).
         Nothing is enqueued on the other library's stream: it may be gone, or
-        capturing, by now. False: both are kept (a capture's record, or a
-        failed one's)."""
+        capturing, by now. Two records made in captures: the newer covers the
+        older (one capture is under way on a handle at a time, in capture
+        order; an ended capture's record stands for no stream's work). False:
+        both are kept (a failed merge, or one whose record a capture begun
+        meanwhile may hold)."""
         if new.state is not AccessState.RECORDED or old.state is not AccessState.RECORDED:
             return False
-        if new.captured or old.captured or new.pins:
+        if new.captured or old.captured:
+            return new.captured and old.captured
+        if new.pins:
             return False
         try:
             if old.is_complete():
                 self.counters.add(elided=1)
                 return True
+            # asked again after ``new``'s record: a capture another thread began
+            # before it has that record, which no stream outside may wait for
+            if _capture_guard.capturing(self.backend, new.key) is not False:
+                return False
         except CudaError:  # (its failure is raised where it is waited for)
             return False
         from ._scheduler import scheduler_for  # late: it builds on this module
 
+        sched = scheduler_for(self.backend, new.key.device)
+        via = sched.merging()
         try:
-            via = scheduler_for(self.backend, new.key.device).merging(new.key)
             self.backend.stream_wait_event(via.handle, old.event)
             self.backend.stream_wait_event(via.handle, new.event)
             new.record_again(via._key())
         except (CudaError, ValueError):  # (both kept: nothing is lost)
             return False
+        finally:
+            sched.merged(via)
         self.counters.add(waits=2)
         return True
 

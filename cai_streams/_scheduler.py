@@ -35,6 +35,51 @@ from ._stream import Stream
 __all__ = ["Scheduler", "any_scheduler", "find_work", "scheduler_for", "schedulers_of", "stats"]
 
 
+class _Spares:
+    """Streams of one device that the library made for one use at a time,
+    kept for the next (at most ``MAX_SPARES``; beyond, closed once given back).
+    :meth:`take` hands out a kept one that a query finds idle, else a new one:
+    whoever takes it waits for its own work alone."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self._sched = sched
+        self._kept: deque[Stream] = deque()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def handles(self) -> list[int]:
+        """The handles of the streams kept now."""
+        with self._sched.lock:
+            return [s.handle for s in self._kept]
+
+    def take(self) -> Stream:
+        """An idle stream. Does not block (a query per kept stream at most)."""
+        sched = self._sched
+        for _ in range(len(self._kept)):
+            with sched.lock:
+                if not self._kept:
+                    break
+                s = self._kept.popleft()
+            try:
+                idle = _capture_guard.stream_idle(sched.backend, s._key())
+            except CudaError:  # (a fault its wait saw: let it go, with its error)
+                continue
+            if idle:
+                return s
+            with sched.lock:  # (still busy: a timed-out or cancelled consume's, say)
+                self._kept.append(s)
+        return Stream._on(sched.backend, sched.device)
+
+    def give(self, s: Stream) -> None:
+        """``s``, from :meth:`take`, is free again (its work may still run)."""
+        with self._sched.lock:
+            if len(self._kept) < MAX_SPARES:
+                self._kept.append(s)
+                return
+        s.close()  # (what it has enqueued still runs)
+
+
 class Scheduler:
     """Per (backend, device) state (see the module docstring)."""
 
@@ -52,10 +97,10 @@ class Scheduler:
         self._export_stream: Stream | None = None
         #: streams of this device the library made for DLPack host consumes,
         #: kept for the next (see :meth:`landing`)
-        self._landings: deque[Stream] = deque()
+        self._landings = _Spares(self)
         #: streams of the library's on which accesses on another library's
-        #: streams are merged (:meth:`merging`), made as needed
-        self._merges: list[Stream | None] = [None] * MERGE_STREAMS
+        #: streams are merged (:meth:`merging`), kept for the next
+        self._merges = _Spares(self)
 
     @property
     def export_stream(self) -> Stream:
@@ -63,7 +108,7 @@ class Scheduler:
         if stream is None:
             with self.lock:
                 if self._export_stream is None:
-                    self._export_stream = Stream(self.device)
+                    self._export_stream = Stream._on(self.backend, self.device)
                 stream = self._export_stream
         return stream
 
@@ -71,44 +116,26 @@ class Scheduler:
         """A stream of this device with nothing pending, for one DLPack host
         consume: the producer's ``__dlpack__`` orders it after its work, and
         the host waits for that alone (the shared export stream also carries
-        every tracked export's joins, and is never idle right after one). A
-        kept one that a query finds idle, else a new one; give it back with
-        :meth:`landed`. Does not block (a query per kept stream at most)."""
-        for _ in range(len(self._landings)):
-            with self.lock:
-                if not self._landings:
-                    break
-                s = self._landings.popleft()
-            try:
-                idle = _capture_guard.stream_idle(self.backend, s._key())
-            except CudaError:  # (a fault its wait saw: let it go, with its error)
-                continue
-            if idle:
-                return s
-            with self.lock:  # (still busy: a timed-out or cancelled consume's)
-                self._landings.append(s)
-        return Stream._on(self.backend, self.device)
-
-    def merging(self, key: StreamId) -> Stream:
-        """The stream of the library's on which accesses on ``key``, another
-        library's stream of this device, are merged (``PendingWork``): one of
-        ``MERGE_STREAMS``, chosen by handle, so that a busy stream holds up
-        only the merges of the few handles that share its slot. Never closed
-        while the scheduler lives. Does not block."""
-        slot = hash(key.handle) % MERGE_STREAMS
-        with self.lock:
-            s = self._merges[slot]
-            if s is None:
-                s = self._merges[slot] = Stream._on(self.backend, self.device)
-        return s
+        every tracked export's joins, and is never idle right after one). Give
+        it back with :meth:`landed`. Does not block (see :class:`_Spares`)."""
+        return self._landings.take()
 
     def landed(self, s: Stream) -> None:
         """``s``, from :meth:`landing`, is free again (its work may still run)."""
-        with self.lock:
-            if len(self._landings) < MAX_LANDINGS:
-                self._landings.append(s)
-                return
-        s.close()  # (what it has enqueued still runs)
+        self._landings.give(s)
+
+    def merging(self) -> Stream:
+        """A stream of this device with nothing pending, on which an access on
+        another library's stream is merged with an older one (``PendingWork``):
+        its own, so that the merged access waits for those two alone (a stream
+        shared by merges would queue each behind the others' waits, and one
+        busy stream would hold up every array merged after it). Give it back
+        with :meth:`merged`. Does not block (see :class:`_Spares`)."""
+        return self._merges.take()
+
+    def merged(self, s: Stream) -> None:
+        """``s``, from :meth:`merging`, is free again (its work may still run)."""
+        self._merges.give(s)
 
     def join(
         self,
@@ -258,10 +285,9 @@ class Scheduler:
 #: seconds the orphans of a registry are left alone after one's record met a
 #: graph capture (they are asked on every lookup otherwise: settle, raise)
 ORPHAN_PAUSE: Final = 0.005
-#: streams :meth:`Scheduler.landing` keeps per device; beyond, they are closed
-MAX_LANDINGS: Final = 8
-#: the streams :meth:`Scheduler.merging` shares out per device
-MERGE_STREAMS: Final = 8
+#: streams :meth:`Scheduler.landing` and :meth:`Scheduler.merging` each keep
+#: per device; beyond, they are closed once given back
+MAX_SPARES: Final = 8
 
 _schedulers: dict[tuple[Backend, int], Scheduler] = {}
 _schedulers_lock = threading.Lock()

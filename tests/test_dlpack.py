@@ -10,7 +10,6 @@ where it was, with no deleter call for a tensor already deleted.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import gc
@@ -30,6 +29,7 @@ from cai_streams import _dlpack, sim
 from cai_streams._consume import Mode, _handoff
 from cai_streams._dlpack_export import consumer_stream, live_exports
 from cai_streams._dlpack_import import DLPackOwner, Held, read_capsule
+from cai_streams._scheduler import _Spares
 
 from .device_ops import DeviceOps, consume_after_latch
 
@@ -547,7 +547,7 @@ async def test_each_dlpack_row(row: Mode, exports: None) -> None:
         if row is Mode.DLPACK_HOST:
             view = await consume_after_latch(obj, latch)
             sched = cs._scheduler.scheduler_for(cs.current_backend())
-            landed = [s.handle for s in sched._landings]  # (given back: kept for the next)
+            landed = sched._landings.handles()  # (given back: kept for the next)
             assert obj.calls[0]["stream"] in landed
             assert obj.calls[0]["stream"] != sched.export_stream.handle
             assert view.stream is None and (ops.to_host(arr) == 3.0).all()
@@ -902,7 +902,7 @@ def test_a_dlpack_host_consume_waits_for_its_producer_only(
     export stream (as before), which waits for that unrelated write: the
     consume times out."""
     sched = cs._scheduler.scheduler_for(cs.current_backend())
-    monkeypatch.setattr(sched, "_landings", collections.deque())  # (none kept by earlier tests)
+    monkeypatch.setattr(sched, "_landings", _Spares(sched))  # (none kept by earlier tests)
     if not own:
         monkeypatch.setattr(type(sched), "landing", lambda self: self.export_stream)
         monkeypatch.setattr(type(sched), "landed", lambda self, s: None)

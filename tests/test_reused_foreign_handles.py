@@ -368,12 +368,11 @@ def test_a_merge_enqueues_nothing_on_the_other_librarys_stream(
     time.sleep(SLOW)
 
 
-def test_merges_use_a_few_streams_of_the_arrays_backend_whichever_is_current() -> None:
+def test_merges_use_streams_of_the_arrays_backend_whichever_is_current() -> None:
     """Reads merged on 33 busy streams of another library, five rounds, while
-    another backend is current for some: the merges make at most
-    ``MERGE_STREAMS`` streams, on the array's backend (a stream per handle,
-    the oldest closed, was made and destroyed at almost every merge; made on
-    the current backend, the merge raised and the block's read was lost), and
+    another backend is current for some: the merges' streams are made on the
+    array's backend (made on the current one, the merge raised and the
+    block's read was lost), at most ``MAX_SPARES`` are kept for the next, and
     a writer after them still waits for the last reads."""
     from cai_streams import _scheduler
 
@@ -403,7 +402,8 @@ def test_merges_use_a_few_streams_of_the_arrays_backend_whichever_is_current() -
                             sim.launch(h, _copy, out, a, reads=[a], writes=[out], duration=0.1)
                 finally:
                     cs.use_backend("sim")
-    assert len(made) <= _scheduler.MERGE_STREAMS
+    assert made  # (on the simulator: a merge on the decoy backend raises)
+    assert len(_scheduler.scheduler_for(backend)._merges) <= _scheduler.MAX_SPARES
     w = cs.Stream()
     with t.writing(w):
         sim.launch(w, lambda d: d.fill(-1.0), a, writes=[a])
@@ -412,3 +412,151 @@ def test_merges_use_a_few_streams_of_the_arrays_backend_whichever_is_current() -
         backend.synchronize_stream(h)
         backend.destroy_stream(h)
     assert (out.to_host() == 5.0).all()
+
+
+def _one_merge_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every merge on one shared stream, as a slot per handle did (the driver's
+    and the simulator's handles are aligned: all had one slot)."""
+    from cai_streams import _scheduler
+
+    shared: list[cs.Stream] = []
+
+    def merging(self: Any) -> cs.Stream:
+        if not shared:
+            shared.append(cs.Stream._on(self.backend, self.device))
+        return shared[0]
+
+    monkeypatch.setattr(_scheduler.Scheduler, "merging", merging)
+    monkeypatch.setattr(_scheduler.Scheduler, "merged", lambda self, s: None)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["own stream", "control"])
+def test_a_busy_stream_holds_up_no_merge_of_another_handle(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads of one array merged on another library's stream that is held
+    busy, then writes of a second array merged on another such stream: a host
+    consume of the second waits for its own writes alone (the control merges
+    every handle on one shared stream, as a slot per handle did, since the
+    simulator's and the driver's handles are aligned: the second array's
+    merge queued behind the first's waits, and the consume timed out)."""
+    if not fixed:
+        _one_merge_stream(monkeypatch)
+    backend = cs.current_backend()
+    a, b = backend.create_stream(), backend.create_stream()
+    latch = SimOps().latch(cs.Stream.wrap(a))
+    try:
+        x = cs.track(sim.asarray(np.zeros(16, np.float32)))
+        for _ in range(2):  # two reads of x pending on a: merged
+            with x.reading(a):
+                pass
+        y = cs.track(sim.asarray(np.zeros(16, np.float32)))
+        for v in (1.0, 2.0):  # two writes of y on b, the first still running: merged
+            with y.writing(b, disjoint=True):
+                sim.launch(b, lambda d, v=v: d.fill(v), y.array, writes=[y.array], duration=0.1)
+        backend.synchronize_stream(b)
+        if fixed:
+            cs.consume_blocking(y, timeout=5)
+            assert (y.array.to_host() == 2.0).all()
+        else:
+            with pytest.raises(TimeoutError):
+                cs.consume_blocking(y, timeout=0.3)
+    finally:
+        latch.release()
+    for h in (a, b):
+        backend.synchronize_stream(h)
+        backend.destroy_stream(h)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["asked again", "control"])
+def test_a_capture_begun_before_the_newer_record_keeps_the_merge_out_of_it(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread begins a capture on another library's stream between
+    the library's ask and its record there (forced here): the record lands in
+    the capture. The merge asks again and is not made, so no stream of the
+    library's joins that capture: a merge of another array on another stream
+    meanwhile leaves it valid (the control merges: the merge stream joins the
+    capture, and the next merge's wait on an ordinary event invalidates it)."""
+    from cai_streams import _capture_guard, _events
+
+    if not fixed:
+        real = _capture_guard
+
+        class _Unasked:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            @staticmethod
+            def capturing(backend: Any, key: Any) -> bool | None:
+                return False if key.handle == h else real.capturing(backend, key)
+
+        monkeypatch.setattr(_pending, "_capture_guard", _Unasked())
+        _one_merge_stream(monkeypatch)
+    backend = cs.current_backend()
+    h, k = backend.create_stream(), backend.create_stream()
+    t = cs.track(sim.asarray(np.full(N, 5.0, np.float32)))
+    with t.reading(h):  # a read still running on h
+        sim.launch(h, lambda: None, duration=SLOW)
+    record_asked = _events.record_asked
+    armed = [True]
+
+    def begin_in_the_window(backend: Any, event: int, key: Any, state: Any) -> Any:
+        if armed[0] and key.handle == h:
+            armed[0] = False
+            backend.begin_capture(h, "relaxed")  # (another thread's, in the window)
+        return record_asked(backend, event, key, state)
+
+    monkeypatch.setattr(_events, "record_asked", begin_in_the_window)
+    cs.consume_blocking(t, stream=h)  # its read is recorded at once: in the capture
+    monkeypatch.setattr(_events, "record_asked", record_asked)
+    u = cs.track(sim.asarray(np.zeros(16, np.float32)))
+    sim.launch(k, lambda: None, duration=SLOW)
+    for _ in range(2):  # another array's merge on another stream, meanwhile
+        with u.reading(k):
+            pass
+    status = backend.capture_status(h)
+    try:
+        backend.destroy_graph(backend.end_capture(h))
+    except cs.CudaError:  # (the control's: the capture is invalidated)
+        assert not fixed
+    if fixed:
+        assert status == "active"
+        assert len(t._work.reads) == 2  # (both kept: nothing merged)
+    else:
+        assert status == "invalidated"
+    for x in (h, k):
+        backend.synchronize_stream(x)
+    del t  # (its read in the ended capture: never queried)
+    gc.collect()
+    for x in (h, k):
+        backend.destroy_stream(x)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["covered", "control"])
+def test_reads_on_a_capturing_bare_handle_stay_one(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads handed again and again to another library's stream while it
+    captures: each capture record covers the one before (one capture is under
+    way on a handle at a time), so the list stays at one (the control keeps
+    every one, each with its event, and each handoff walks them all)."""
+    if not fixed:
+        covers = _pending.PendingWork._covers_foreign
+
+        def kept(self: Any, new: Any, old: Any) -> bool:
+            return False if new.captured else covers(self, new, old)
+
+        monkeypatch.setattr(_pending.PendingWork, "_covers_foreign", kept)
+    backend = cs.current_backend()
+    h = backend.create_stream()
+    t = cs.track(sim.asarray(np.zeros(16, np.float32)))
+    backend.begin_capture(h, "relaxed")
+    try:
+        for _ in range(50):
+            with t.reading(h):
+                pass
+        assert len(t._work.reads) == (1 if fixed else 50)
+    finally:
+        backend.destroy_graph(backend.end_capture(h))
+    backend.destroy_stream(h)

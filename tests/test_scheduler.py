@@ -733,3 +733,21 @@ def test_an_orphan_a_capture_keeps_from_settling_is_not_asked_on_every_lookup(
         capturing.end_capture().close()
     assert 1 <= calls[0] <= 20, calls  # (one, then one per pause elapsed)
     cs.stats()  # settles it now
+
+
+def test_the_shared_export_stream_is_made_on_its_schedulers_backend() -> None:
+    """First asked for while another backend is current (an export of an array
+    whose own export stream was closed, say): it is the scheduler's backend's
+    stream (it was the current one's, kept: every later export on that device
+    raised, also once its backend was current again)."""
+    from cai_streams._scheduler import Scheduler
+
+    backend = cs.current_backend()
+    sched = Scheduler(backend, 0)
+    cs.use_backend("decoy")
+    try:
+        s = sched.export_stream
+    finally:
+        cs.use_backend("sim")
+    assert s.backend is backend
+    s.close()
