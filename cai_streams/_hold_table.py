@@ -84,6 +84,20 @@ class Settles(Protocol):
         """Record its hold if it can now; False to be asked again later."""
 
 
+def _in_record_order(queue: deque[Hold], hold: Hold) -> None:
+    """Put ``hold`` in its stream's ``queue`` in record order: after the last
+    one, unless another thread recorded after it and added its hold first (a
+    hold found complete releases every one before it unasked)."""
+    seq = hold.mark.seq
+    if not queue or queue[-1].mark.seq <= seq:
+        queue.append(hold)
+        return
+    i = len(queue)
+    while i and queue[i - 1].mark.seq > seq:
+        i -= 1
+    queue.insert(i, hold)
+
+
 class HoldTable:
     """Every hold in flight, per stream in record order (see the module docstring)."""
 
@@ -118,7 +132,7 @@ class HoldTable:
             if queue is None:
                 queue = self._streams[key] = deque()
                 self._turn.append(key)
-            queue.append(hold)
+            _in_record_order(queue, hold)
             self.count += 1
             self.nbytes += hold.nbytes
             self.made += 1

@@ -1444,3 +1444,61 @@ def test_owners_released_past_a_limit_go_after_the_call_not_inside_it(
     cs.stats()
     assert seen == [False]
     latch.release()
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["record order", "control"])
+def test_a_hold_recorded_earlier_and_added_later_keeps_the_table_in_record_order(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thread T2 records a hold on a shared stream and is preempted before the
+    hold joins the table (forced here, between its record and its add);
+    meanwhile the main thread records a later hold there, over an owner a late
+    kernel reads, and adds it first. Once T2's record is found complete, the
+    hold after it in record order is not released with it: the owner's block
+    is not handed to the next allocation under the late kernel (the control
+    appends, and the late kernel reads another owner's data)."""
+    cs.use_backend("sim")
+    if not fixed:
+        monkeypatch.setattr(_hold_table, "_in_record_order", lambda queue, hold: queue.append(hold))
+    backend = cs.current_backend()
+    s = cs.Stream()
+    n = 256
+    paused, resume = threading.Event(), threading.Event()
+    recorded = threading.Event()
+    real_record, real_status = backend.record, backend.capture_status
+
+    def record(event: int, stream: int) -> None:
+        real_record(event, stream)
+        if threading.current_thread().name == "T2":
+            recorded.set()
+
+    def capture_status(stream: int) -> str:  # (asked between T2's record and its add)
+        if threading.current_thread().name == "T2" and recorded.is_set() and not paused.is_set():
+            paused.set()
+            resume.wait(WAIT)
+        return real_status(stream)
+
+    monkeypatch.setattr(backend, "record", record)
+    monkeypatch.setattr(backend, "capture_status", capture_status)
+    sim.launch(s, time.sleep, 0.2)  # the first hold stays pending a little while
+    cs.hold(sim.empty(n), until=s)
+    t2 = threading.Thread(target=cs.hold, args=(sim.empty(n),), kwargs={"until": s}, name="T2")
+    t2.start()
+    assert paused.wait(WAIT)  # T2's hold: recorded, not in the table yet
+    gate, seen = threading.Event(), []
+    sim.launch(s, gate.wait, WAIT)  # s is busy from here
+    c = sim.asarray(np.full(n, 7.0, np.float32))
+    sim.launch(s, lambda x: seen.append(float(x[0])), c)  # a late kernel reads c
+    cs.hold(c, until=s)  # recorded after T2's, added before it
+    resume.set()
+    t2.join(WAIT)
+    monkeypatch.undo()
+    del c
+    gc.collect()
+    time.sleep(0.4)  # the first two records are complete
+    cs.stats()  # releases the completed holds
+    junk = [sim.asarray(np.full(n, 99.0, np.float32)) for _ in range(3)]
+    gate.set()
+    s.synchronize()
+    assert seen == ([7.0] if fixed else [99.0])
+    del junk
