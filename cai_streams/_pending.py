@@ -292,9 +292,9 @@ class PendingWork:
                 if _capture_guard.stream_idle(self.backend, key):
                     return  # nothing pending there: nothing to record
         stream = Stream._borrow_key(key, self.backend)
-        access = Access.recorded(self, Kind.WRITE, stream, key)
-        with self._locked():
-            self._add(access)
+        with self._locked():  # recorded under the lock, as every record added to the
+            # lists (one made outside and added after a newer one would replace it)
+            self._add(Access.recorded(self, Kind.WRITE, stream, key))
 
     def _note(self, own: Stream | None) -> None:
         """Work the buffer's own interface reported pending, recorded now (a

@@ -337,6 +337,70 @@ def test_a_view_of_a_tracked_array_written_on_its_stream_is_handed_on_after_that
     assert waited
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["under the lock", "control"])
+def test_two_threads_handing_on_one_view_keep_the_newer_record_of_its_stream(
+    sim_backend: cs.Backend, fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thread T1 hands on a view of a tracked array that names a held stream
+    ``s``: its record of ``s``'s work is made, and T1 is preempted there
+    (forced: it waits up to 0.5 s for thread C). C fills the view on ``s`` and
+    hands it on too. T1's older record must not replace C's newer one: the
+    host consume after both waits for the fill (the control records outside
+    the array's lock, so T1 adds its record last, and the host reads the old
+    data)."""
+    from cai_streams import _pending
+    from cai_streams._access import Access, Kind
+
+    if not fixed:
+
+        def note_stream(self: Any, key: Any) -> None:
+            stream = cs.Stream._borrow_key(key, self.backend)
+            access = Access.recorded(self, Kind.WRITE, stream, key)
+            with self._locked():
+                self._add(access)
+
+        monkeypatch.setattr(_pending.PendingWork, "note_stream", note_stream)
+    ops = SimOps()
+    a = sim.asarray(np.zeros(64, np.float32))
+    t = cs.track(a)
+    s, s2, s3 = cs.Stream(), cs.Stream(), cs.Stream()
+    view = cs.consume_blocking(t, stream=s)
+    latch = ops.latch(s)
+
+    def fill(x: Any) -> None:
+        time.sleep(0.1)
+        x.fill(5.0)
+
+    def fill_and_hand_on() -> None:
+        with cs.sanitize(False):  # (an undeclared in-place update, as another library makes)
+            sim.launch(s, fill, view)
+        cs.consume_blocking(view, stream=s3)
+
+    other = threading.Thread(target=fill_and_hand_on, name="C")
+    recorded = Access.recorded.__func__  # type: ignore[attr-defined]
+
+    def preempted(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        access = recorded(cls, *args, **kwargs)
+        if threading.current_thread().name == "T1" and not other.is_alive():
+            other.start()
+            other.join(0.5)  # (under the lock, C waits: T1 goes on first)
+        return access
+
+    monkeypatch.setattr(Access, "recorded", classmethod(preempted))
+    t1 = threading.Thread(
+        target=cs.consume_blocking, args=(view,), kwargs={"stream": s2}, name="T1"
+    )
+    t1.start()
+    t1.join(10)
+    other.join(10)
+    monkeypatch.undo()
+    latch.release()
+    cs.consume_blocking(t, timeout=10)
+    got = a.to_host()[0]
+    s.synchronize()
+    assert got == (5.0 if fixed else 0.0)
+
+
 def test_a_host_consume_of_a_view_on_another_threads_per_thread_stream_waits_for_it(
     sim_backend: cs.Backend,
 ) -> None:
