@@ -423,7 +423,10 @@ def _unreadable(obj: object, exc: AttributeError) -> TypeError:
 def _dtype(typestr: object, descr: object) -> np.dtype[Any]:
     if not isinstance(typestr, str):
         raise _bad("typestr", typestr, "a numpy array-interface type string such as '<f4'")
-    dtype = _dtypes.get(typestr) if descr is None else None
+    # (cached for exact strs only: a subclass may hash and compare as another
+    # type string, and would take its dtype, or leave its own under that key)
+    exact = type(typestr) is str
+    dtype = _dtypes.get(typestr) if descr is None and exact else None
     if dtype is not None:
         return dtype
     if _TYPESTR.fullmatch(typestr) is None:
@@ -447,7 +450,7 @@ def _dtype(typestr: object, descr: object) -> np.dtype[Any]:
         ):
             raise _bad("descr", descr, f"a description consistent with typestr {typestr!r}")
         return described
-    if len(_dtypes) < 1024:
+    if exact and len(_dtypes) < 1024:
         _dtypes[typestr] = dtype
     return dtype
 

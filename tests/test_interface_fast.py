@@ -659,3 +659,38 @@ def test_the_fast_path_runs_no_user_code() -> None:
     assert calls == []
     hash(S("x")), T((1,)) == (1,), len(T(())), N(1) == 1  # noqa: B015 - the control
     assert calls == ["str.__hash__", "tuple.__eq__", "tuple.__len__", "int.__eq__"]
+
+
+class _AsAnother(str):
+    """A type string that hashes and compares as ``'<f4'`` whatever it says."""
+
+    __slots__ = ()
+
+    def __hash__(self) -> int:
+        return hash("<f4")
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+
+def test_a_str_subclass_typestr_neither_takes_nor_leaves_a_cached_dtype() -> None:
+    """Full validation caches dtypes by type string: a subclass that hashes
+    and compares as ``'<f4'`` gets its own dtype (it took the cached float32,
+    unchecked), and leaves none behind (a plain ``'<f4'`` parsed after it
+    took its float64)."""
+    parse(Exports({"shape": (4,), "typestr": "<f4", "data": (PTR, False), "version": 3}))
+    odd = parse(
+        Exports({"shape": (4,), "typestr": _AsAnother("<f8"), "data": (PTR, False), "version": 3})
+    )
+    assert odd.dtype == np.float64 and odd.nbytes == 32
+    _interface._dtypes.clear()
+    _interface._layouts.clear()
+    parse(
+        Exports({"shape": (4,), "typestr": _AsAnother("<f8"), "data": (PTR, False), "version": 3})
+    )
+    plain = parse(Exports({"shape": (4,), "typestr": "<f4", "data": (PTR, False), "version": 3}))
+    assert plain.dtype == np.float32 and plain.nbytes == 16
+    with pytest.raises(InterfaceError, match="typestr"):
+        parse(
+            Exports({"shape": (4,), "typestr": _AsAnother("?"), "data": (PTR, False), "version": 3})
+        )
