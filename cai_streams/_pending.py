@@ -20,6 +20,7 @@ across a block's body, never while waiting, and never while calling user code
 
 from __future__ import annotations
 
+import enum
 import threading
 import weakref
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from ._capture_guard import StreamPhase
 from ._config import settings
 from ._device import OnDevice, view_stream_id
 from ._errors import CudaError
-from ._identity import Lifetime, StreamId, order_known, stream_id_now
+from ._identity import Lifetime, StreamId, lifetime_of, order_known, stream_id_now
 from ._interface import ArrayView, byte_range, stream_of
 from ._stream import Stream
 
@@ -41,6 +42,20 @@ __all__ = ["MAX_OPEN_READS", "PendingWork"]
 
 #: consumer reads of one buffer held open (lazy) at once; see ``_consumer_read``
 MAX_OPEN_READS = 32
+
+
+class ViewStream(enum.Enum):
+    """Where a buffer that is a view handed to a stream of the library's
+    (``consume(arr, stream=s)``, then tracked) stands with that stream, whose
+    work its interface names pending at every access."""
+
+    #: the buffer is no such view (or its stream was closing when tracked)
+    NONE = "none"
+    #: listening for the stream's close, to record its work then
+    FOLLOWED = "followed"
+    #: the stream closed: its work was recorded as a pending write then, and
+    #: nothing more is enqueued there
+    RECORDED = "recorded at its close"
 
 
 class _Locked:
@@ -71,6 +86,7 @@ class PendingWork:
         "__weakref__",
         "_obj",
         "_ref",
+        "_view_lifetime",
         "backend",
         "blocks",
         "counters",
@@ -82,6 +98,7 @@ class PendingWork:
         "lock",
         "reads",
         "unfenced",
+        "view_stream",
         "wrapper",
         "writes",
     )
@@ -117,6 +134,8 @@ class PendingWork:
         self.device = device  # where the buffer lives
         self.counters = counters
         self.lock = threading.Lock()
+        self.view_stream = ViewStream.NONE
+        self._view_lifetime: Lifetime | None = None
         self.writes: list[Access] = []
         self.reads: list[Access] = []
         self.blocks: list[OpenBlock] = []
@@ -265,8 +284,10 @@ class PendingWork:
         if type(obj) is ArrayView and obj.stream == handle:  # a view keeps its stream's
             try:  # identity
                 key = view_stream_id(self.backend, obj)
-            except ValueError:  # its stream closed since: nothing more is enqueued there
-                return None
+            except ValueError:  # its stream closed since: recorded then, if followed
+                if self.view_stream is ViewStream.RECORDED:
+                    return None
+                raise
             with _observe.Scope(self):
                 idle = _capture_guard.stream_idle(self.backend, key)
             return None if idle else Stream._borrow_key(key, self.backend)
@@ -284,6 +305,12 @@ class PendingWork:
         a pending write, so the next consumer and the next writer wait for it;
         nothing when it is idle, or capturing (captured work runs at a launch).
         Only enqueues GPU work (one record at most)."""
+        with self._locked():  # recorded under the lock, as every record added to the
+            # lists (one made outside and added after a newer one would replace it)
+            self._note_stream(key)
+
+    def _note_stream(self, key: StreamId) -> None:
+        """:meth:`note_stream`, the lock held."""
         state = _capture_guard.capturing(self.backend, key)  # (the legacy: may raise)
         if state is True:  # captured work runs at a launch, in no order with this
             return
@@ -292,9 +319,23 @@ class PendingWork:
                 if _capture_guard.stream_idle(self.backend, key):
                     return  # nothing pending there: nothing to record
         stream = Stream._borrow_key(key, self.backend)
-        with self._locked():  # recorded under the lock, as every record added to the
-            # lists (one made outside and added after a newer one would replace it)
-            self._add(Access.recorded(self, Kind.WRITE, stream, key))
+        self._add(Access.recorded(self, Kind.WRITE, stream, key))
+
+    def follow_view_stream(self, view: ArrayView) -> None:
+        """The buffer is ``view``, handed to a stream of the library's that is
+        open: listen for its close, to record the work its interface names
+        pending while the stream still exists (after, a handle that may name
+        another stream says nothing). Does not block."""
+        key = view._stream_key
+        if view.stream is None or key is None or not key.generation:
+            return
+        lifetime = lifetime_of(self.backend, key.handle)
+        if lifetime is None or lifetime.generation != key.generation:
+            return  # (closed already: own_stream raises)
+        with self._locked():
+            if self.view_stream is ViewStream.NONE and lifetime.listen(self):
+                self.view_stream = ViewStream.FOLLOWED
+                self._view_lifetime = lifetime
 
     def _note(self, own: Stream | None) -> None:
         """Work the buffer's own interface reported pending, recorded now (a
@@ -346,6 +387,7 @@ class PendingWork:
 
     def stream_closing(self) -> None:
         """The library's stream of an open block, or of a block left to fence,
+        or the one a buffer that is a view names (:meth:`follow_view_stream`),
         is about to be destroyed (``try_enter`` and ``leave`` listen): record
         on it now, while it exists (``close()`` refuses a capturing stream; the
         fence asks all the same). An open block's record covers what its body
@@ -354,6 +396,16 @@ class PendingWork:
         itself: what lands after this record is not covered.)"""
         errors: list[Exception] = []
         with self._locked():
+            lifetime = self._view_lifetime
+            if lifetime is not None and lifetime.ending:  # the stream the buffer names
+                self._view_lifetime = None
+                self.view_stream = ViewStream.RECORDED
+                view = self.obj()
+                if isinstance(view, ArrayView) and view._stream_key is not None:
+                    try:
+                        self._note_stream(view._stream_key)
+                    except Exception as exc:  # the blocks record all the same
+                        errors.append(exc)
             for block in self.blocks:
                 lifetime = block.stream._lifetime
                 if block.at_close is None and lifetime is not None and lifetime.ending:
@@ -735,6 +787,9 @@ class PendingWork:
             for block in self.unfenced:
                 if (lifetime := block.stream._lifetime) is not None:
                     lifetime.forget(self)
+            if (lifetime := self._view_lifetime) is not None:
+                self._view_lifetime = None
+                lifetime.forget(self)
             self.writes, self.reads, self.unfenced = [], [], []
 
     def settle(self) -> bool:

@@ -295,9 +295,13 @@ def track(obj: object, stream: object = None) -> TrackedArray:
     work = find_work(backend, obj)
     if work is None:
         view = parse(obj)
+        if type(obj) is ArrayView and obj.stream is not None:
+            view_stream_id(backend, obj)  # ValueError: its stream closed (work may be pending)
         sched = scheduler_for(backend, _device_holding(backend, view, obj))
         work, made = sched.work_for(obj, view._with_owner(None), export_stream)
         if made:
+            if type(obj) is ArrayView:  # its stream's close records that stream's work
+                work.follow_view_stream(obj)
             own = work.own_stream()
             with work._locked():
                 work._note(own)

@@ -627,6 +627,56 @@ def test_a_view_whose_stream_closed_stays_usable_where_its_stream_is_not_waited_
     cs.consume_blocking(t, stream=q, timeout=1)
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["recorded at the close", "control"])
+def test_a_tracked_view_whose_stream_closes_with_work_pending_still_waits_for_it(
+    sim_backend: cs.Backend, fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TrackedArray over a view handed to ``s``: a slow write of the view
+    is enqueued on ``s``, and ``s`` is closed (its work still runs). A host
+    consume of the tracked array waits for that write: the close recorded it
+    (the control takes the closed stream as idle, as before: the host read
+    the old data)."""
+    from cai_streams import _pending
+
+    if not fixed:
+        monkeypatch.setattr(
+            _pending.PendingWork,
+            "follow_view_stream",
+            lambda self, view: setattr(self, "view_stream", _pending.ViewStream.RECORDED),
+        )
+    a = sim.asarray(np.zeros(64, np.float32))
+    s = cs.Stream()
+    t = cs.track(cs.consume_blocking(a, stream=s))
+
+    def fill(x: Any) -> None:
+        time.sleep(0.2)
+        x.fill(5.0)
+
+    with cs.sanitize(False):  # (an undeclared in-place update, as another library makes)
+        sim.launch(s, fill, t.array)
+    s.close()
+    cs.consume_blocking(t, timeout=10)
+    got = a.to_host()[0]
+    time.sleep(0.3)
+    assert got == (5.0 if fixed else 0.0)
+
+
+def test_tracking_a_view_whose_stream_closed_is_refused(sim_backend: cs.Backend) -> None:
+    """Tracked only after its stream closed, a view names a stream whose work
+    cannot be waited for any more (its handle may name another stream): the
+    same ValueError as a consume of the view (it was tracked, and every
+    consume of it took the stream as idle)."""
+    a = sim.empty(16)
+    s = cs.Stream()
+    view = cs.consume_blocking(a, stream=s)
+    s.close()
+    with pytest.raises(ValueError, match="which was closed"):
+        cs.track(view)
+    with pytest.raises(ValueError, match="which was closed"):
+        cs.consume_blocking(view)
+    cs.track(view.with_stream(None))  # (known complete: named by the user)
+
+
 def test_a_tracked_sim_arrays_own_dlpack_joins_its_tracked_writes(sim_backend: cs.Backend) -> None:
     """``arr.__dlpack__(stream=c)`` of a SimArray tracked with ``cs.track``
     (what ``cupy.from_dlpack(arr)`` calls) orders ``c`` after the writes
