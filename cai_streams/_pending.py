@@ -234,17 +234,22 @@ class PendingWork:
         from ._scheduler import scheduler_for  # late: it builds on this module
 
         sched = scheduler_for(self.backend, new.key.device)
-        via = sched.merging()
+        try:
+            via = sched.merging()  # (made, if none kept is idle: may fail)
+        except (CudaError, ValueError):  # (both kept: nothing is lost)
+            return False
         try:
             self.backend.stream_wait_event(via.handle, old.event)
             self.backend.stream_wait_event(via.handle, new.event)
             new.record_again(via._key())
-        except (CudaError, ValueError):  # (both kept: nothing is lost)
-            return False
-        finally:
-            sched.merged(via)
-        self.counters.add(waits=2)
-        return True
+        except (CudaError, ValueError):
+            merged = False
+        else:
+            merged = True
+        sched.merged(via)  # (never raises: see _Spares.give)
+        if merged:
+            self.counters.add(waits=2)
+        return merged
 
     def _drop_complete(self, accesses: list[Access]) -> None:
         for a in list(accesses):
@@ -645,9 +650,12 @@ class PendingWork:
 
     def _forget_unless_used(self, lifetime: Lifetime | None) -> None:
         """Lock held: stop listening to ``lifetime`` unless an open block or a
-        block left to fence is on its stream."""
-        if lifetime is not None and all(
-            b.stream._lifetime is not lifetime for b in (*self.blocks, *self.unfenced)
+        block left to fence is on its stream, or it is the stream the buffer
+        (a view) names (:meth:`follow_view_stream`)."""
+        if (
+            lifetime is not None
+            and lifetime is not self._view_lifetime
+            and all(b.stream._lifetime is not lifetime for b in (*self.blocks, *self.unfenced))
         ):
             lifetime.forget(self)
 

@@ -77,7 +77,10 @@ class _Spares:
             if len(self._kept) < MAX_SPARES:
                 self._kept.append(s)
                 return
-        s.close()  # (what it has enqueued still runs)
+        try:
+            s.close()  # (what it has enqueued still runs)
+        except CudaError:  # (a fault or a reset: the stream is gone with it, and the
+            pass  # caller's own calls say so; what it used the stream for is done)
 
 
 class Scheduler:

@@ -25,7 +25,7 @@ from ._dlpack_import import cuda_device_of, has_dlpack
 from ._errors import InterfaceError
 from ._hold_table import tick as release_holds
 from ._interface import ArrayView, byte_range, parse
-from ._pending import PendingWork
+from ._pending import PendingWork, ViewStream
 from ._scheduler import export_stream_of, find_work, scheduler_for
 from ._stream import Stream, as_stream
 from ._unique import Unique
@@ -293,10 +293,14 @@ def track(obj: object, stream: object = None) -> TrackedArray:
             owner = obj.owner
             return track(owner) if stream is None else track(owner, stream)
     work = find_work(backend, obj)
+    if (
+        type(obj) is ArrayView
+        and obj.stream is not None
+        and (work is None or work.view_stream is ViewStream.NONE)
+    ):  # (also when tracked before, if its stream closed before it was followed)
+        view_stream_id(backend, obj)  # ValueError: its stream closed (work may be pending)
     if work is None:
         view = parse(obj)
-        if type(obj) is ArrayView and obj.stream is not None:
-            view_stream_id(backend, obj)  # ValueError: its stream closed (work may be pending)
         sched = scheduler_for(backend, _device_holding(backend, view, obj))
         work, made = sched.work_for(obj, view._with_owner(None), export_stream)
         if made:

@@ -661,6 +661,33 @@ def test_a_tracked_view_whose_stream_closes_with_work_pending_still_waits_for_it
     assert got == (5.0 if fixed else 0.0)
 
 
+@pytest.mark.parametrize("block", ["reading", "writing"])
+def test_a_block_on_a_tracked_views_stream_leaves_it_followed(
+    sim_backend: cs.Backend, block: str
+) -> None:
+    """A block of the tracked view on its own stream ends before the stream
+    closes with a slow write pending: the close still records that write for
+    the view (the block's end stopped listening to the stream, and every
+    access of the array raised ValueError from then on)."""
+    a = sim.asarray(np.zeros(64, np.float32))
+    s = cs.Stream()
+    t = cs.track(cs.consume_blocking(a, stream=s))
+    with getattr(t, block)(s):
+        pass
+
+    def fill(x: Any) -> None:
+        time.sleep(0.2)
+        x.fill(5.0)
+
+    with cs.sanitize(False):  # (an undeclared in-place update, as another library makes)
+        sim.launch(s, fill, t.array)
+    s.close()
+    cs.consume_blocking(t, timeout=10)
+    assert a.to_host()[0] == 5.0
+    with t.writing(cs.Stream()):
+        pass
+
+
 def test_tracking_a_view_whose_stream_closed_is_refused(sim_backend: cs.Backend) -> None:
     """Tracked only after its stream closed, a view names a stream whose work
     cannot be waited for any more (its handle may name another stream): the
@@ -675,6 +702,33 @@ def test_tracking_a_view_whose_stream_closed_is_refused(sim_backend: cs.Backend)
     with pytest.raises(ValueError, match="which was closed"):
         cs.consume_blocking(view)
     cs.track(view.with_stream(None))  # (known complete: named by the user)
+
+
+def test_a_view_whose_stream_closed_while_it_was_tracked_is_refused_again(
+    sim_backend: cs.Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream closes while ``track(view)`` runs, before the tracked state
+    listens for it (forced: inside ``work_for``): that track raises, and so
+    does the next one of the view (it found the state the first left and
+    took it, and every consume of it raised)."""
+    from cai_streams import _scheduler
+
+    a = sim.empty(16)
+    s = cs.Stream()
+    view = cs.consume_blocking(a, stream=s)
+    work_for = _scheduler.Scheduler.work_for
+
+    def closed_meanwhile(self: Any, *args: Any) -> Any:
+        got = work_for(self, *args)
+        s.close()
+        return got
+
+    monkeypatch.setattr(_scheduler.Scheduler, "work_for", closed_meanwhile)
+    with pytest.raises(ValueError, match="which was closed"):
+        cs.track(view)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="which was closed"):
+        cs.track(view)
 
 
 def test_a_tracked_sim_arrays_own_dlpack_joins_its_tracked_writes(sim_backend: cs.Backend) -> None:

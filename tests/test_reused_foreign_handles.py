@@ -560,3 +560,28 @@ def test_reads_on_a_capturing_bare_handle_stay_one(
     finally:
         backend.destroy_graph(backend.end_capture(h))
     backend.destroy_stream(h)
+
+
+def test_a_merge_whose_stream_cannot_be_made_keeps_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No merge stream is idle and making one fails (out of memory): both
+    writes on another library's stream are kept, and a host consume waits for
+    the newer (the block's exit raised, its write was lost, and the host read
+    the older one's data)."""
+    from cai_streams import _scheduler
+
+    monkeypatch.setattr(_scheduler.Scheduler, "merging", _no_stream)
+    backend = cs.current_backend()
+    h = backend.create_stream()
+    x = cs.track(sim.asarray(np.zeros(16, np.float32)))
+    for v in (1.0, 2.0):  # two writes on h, the first still running: merged
+        with x.writing(h, disjoint=True):
+            sim.launch(h, lambda d, v=v: d.fill(v), x.array, writes=[x.array], duration=0.2)
+    assert len(x._work.writes) == 2
+    cs.consume_blocking(x, timeout=5)
+    assert x.array.to_host()[0] == 2.0
+    backend.synchronize_stream(h)
+    backend.destroy_stream(h)
+
+
+def _no_stream(self: Any) -> cs.Stream:
+    raise cs.CudaError(2, "cudaErrorMemoryAllocation", "out of memory (injected)")
