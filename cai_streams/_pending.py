@@ -693,9 +693,10 @@ class PendingWork:
             if not pending:
                 if _observe.active:  # stream None says "ready now, anywhere": checked so,
                     _observe.host_access(  # but not kept as a read; the consumer's own
-                        "ready",  # reads are declared where they are enqueued
-                        [byte_range(self.layout)],
+                        "ready",  # reads are declared where they are enqueued. Its thread
+                        [byte_range(self.layout)],  # is ordered after what was found done
                         "export() with nothing pending: stream None",
+                        waited=[self],
                     )
                 return None
             self._declare_stream_read(x, "export(): the consumer's read")

@@ -166,6 +166,10 @@ class _State:
         self.library: dict[Actor, Clock] = {}
         self.shadows = ShadowMap()
         self.blocking: set[Actor] = set()
+        #: per (backend, device): the final clocks of retired blocking streams
+        #: (another thread's per-thread stream, that thread gone): the legacy
+        #: stream still waits for what they enqueued
+        self.retired_blocking: dict[tuple[Backend, int], Clock] = {}
         #: what the library learnt while working for one object (a buffer's
         #: pending work, one handoff): credited to that object only
         self.scopes: weakref.WeakKeyDictionary[object, Clock] = weakref.WeakKeyDictionary()
@@ -257,6 +261,9 @@ class _State:
                 other: StreamId = b[1]
                 if other.backend is backend and other.device == key.device:
                     join(c, self.clock(b))
+            retired = self.retired_blocking.get((backend, key.device))
+            if retired is not None:
+                join(c, retired)
         elif handle == PER_THREAD_DEFAULT_STREAM:
             self.blocking.add(actor)
             join(c, self.clock(self.stream(backend, LEGACY_DEFAULT_STREAM)))
@@ -300,7 +307,13 @@ class _State:
         for actor in dead:
             final = self.clocks.pop(actor)
             self.library.pop(actor, None)
-            self.blocking.discard(actor)
+            if actor in self.blocking:
+                self.blocking.discard(actor)
+                gone_stream: StreamId = actor[1]
+                join(
+                    self.retired_blocking.setdefault((gone_stream.backend, gone_stream.device), {}),
+                    final,
+                )
             if actor[0] == "host":
                 self.serials.pop(actor[1], None)
                 thread = self.threads.pop(actor)()
@@ -320,7 +333,7 @@ class _State:
         if not gone:
             return
         self.retired -= gone
-        for table in (self.clocks, self.events, self.tokens, self.library):
+        for table in (self.clocks, self.events, self.tokens, self.library, self.retired_blocking):
             for c in table.values():
                 for actor in gone:
                     c.pop(actor, None)

@@ -221,12 +221,14 @@ def empty(
     nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
     backend = _simulator()
     ordinal = backend.current_device() if device is None else device
-    _, block = backend.allocate(nbytes, ordinal)
+    address, block = backend.allocate(nbytes, ordinal)
     view = block.view(dt).reshape(dims) if nbytes else np.empty(dims, dt)
     # Undefined contents: fill with a pattern so code that reads before writing
     # sees garbage, as it would on a GPU, rather than convenient zeros. (A block
     # from the pool holds whatever its last owner left, as on a GPU.)
     if nbytes:
+        if _observe.active:  # a host write: a block reused under pending work is named
+            _observe.host_access("write", [(address, address + nbytes)], "sim.empty() fill")
         block[:] = 0xCD
     return SimArray(view, device=ordinal)
 

@@ -972,3 +972,71 @@ def test_a_stream_whose_capture_is_over_is_checked_again_however_it_ended(how: s
             finally:
                 gate.set()
             s.synchronize()
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["freed under the read", "held"])
+def test_a_block_sim_empty_takes_under_a_pending_read_is_named(held: bool) -> None:
+    """An array freed while a kernel on ``s`` still reads it, its block taken
+    by ``sim.empty``, whose fill writes it on the host at once: named (the
+    fill was not declared, and the kernel read the fill pattern silently).
+    Held until ``s`` passes the read, the block is not reused under it."""
+    import gc
+
+    s = cs.Stream()
+    out = sim.empty(1000, "float32")
+    a = sim.asarray(np.full(1000, 1.0, np.float32))
+    sim.launch(s, lambda o, x: o.__setitem__(..., x), out, a, reads=[a], writes=[out], duration=0.1)
+    if held:
+        cs.hold(a, until=s)
+    del a
+    gc.collect()
+    if held:
+        sim.empty(1000, "float32")  # (another block: the first is held)
+    else:
+        with pytest.raises(cs.HazardError, match="freed and reused"):
+            sim.empty(1000, "float32")
+    s.synchronize()
+    assert (out.to_host() == 1.0).all() or not held
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.2], ids=["pending at export", "done at export"])
+def test_an_export_that_names_no_stream_orders_its_reader(pause: float) -> None:
+    """A tracked array's write, its export read by a consumer that follows the
+    interface's ``stream`` entry (as CuPy and Numba do): named stream while the
+    write is pending, None once it is done; neither is a hazard (None was
+    named: the library's query that found the write done ordered no one)."""
+    import time
+
+    producer = cs.Stream()
+    buf = sim.empty(1024, "float32")
+    t = cs.track(buf)
+    with t.writing(producer):
+        w(producer, buf, duration=0.05)
+    time.sleep(pause)
+    stream = t.__cuda_array_interface__["stream"]
+    assert (stream is None) == (pause > 0)
+    out = sim.empty(1, "float64")
+    sim.launch(1 if stream is None else stream, lambda o, x: o.fill(x.sum()), out, buf,
+               reads=[buf], writes=[out])  # fmt: skip
+    assert out.to_host(stream=1 if stream is None else stream)[0] == 1024.0
+
+
+def test_the_legacy_stream_waits_for_a_gone_threads_per_thread_stream_after_a_sweep() -> None:
+    """A worker thread writes on its per-thread stream (2) and ends; the
+    sanitizer retires that stream (a sweep), and the legacy stream (1), which
+    waits for every blocking stream's earlier work, reads the array: no
+    hazard (the retired stream was dropped from the legacy rule)."""
+    box: list[Any] = []
+
+    def produce() -> None:
+        x = sim.empty(4096, "float32")
+        w(2, x, duration=0.2)
+        box.append(x)
+
+    th = threading.Thread(target=produce)
+    th.start()
+    th.join(10)
+    _sanitizer._state.sweep()
+    out = sim.empty(1, "float64")
+    sim.launch(1, lambda o, x: o.fill(x.sum()), out, box[0], reads=[box[0]], writes=[out])
+    assert out.to_host()[0] == 4096.0
