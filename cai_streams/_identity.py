@@ -168,6 +168,7 @@ class Lifetime:
     """
 
     __slots__ = (
+        "_claimed",
         "_closing",
         "_listeners",
         "_lock",
@@ -186,6 +187,9 @@ class Lifetime:
         self.ident: StreamId | None = None
         self.closed = False
         self._closing = False
+        #: a close has begun (in some thread): it alone tells the listeners and
+        #: destroys the stream
+        self._claimed = False
         self._lock = threading.Lock()
         self._listeners: set[ClosingListener] = set()
 
@@ -200,6 +204,17 @@ class Lifetime:
     def forget(self, listener: ClosingListener) -> None:
         with self._lock:
             self._listeners.discard(listener)
+
+    def claim_close(self) -> bool:
+        """Whether the caller is the one to close the stream: the first to ask
+        (two threads closing one stream at once: the second returns at once,
+        and must not destroy it, nor its handle's next stream, while the first
+        records what listens). Bookkeeping only."""
+        with self._lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
 
     def closing(self) -> Iterable[ClosingListener]:
         """The stream is about to close: no new listener; hand over the ones

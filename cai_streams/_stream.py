@@ -432,6 +432,9 @@ class Stream(Unique):
                 "would be left under way, refusing the host syncs it forbids); call "
                 "end_capture() first"
             )
+        lifetime = self._lifetime
+        if self._owned and lifetime is not None and not lifetime.claim_close():
+            return  # another thread closes it now (it records what listens, then destroys)
         if self._owned and in_collection():  # a finalizer, maybe inside a library lock
             self._closed = True
             self._keepalive = None
@@ -502,6 +505,8 @@ class Stream(Unique):
             # exists, as at close(); at the next library call, since this may
             # run inside one, holding its locks (see _deferred); so does all of
             # it in a garbage collection.
+            if lifetime is not None and not lifetime.claim_close():
+                return  # (a close() under way: it destroys the stream)
             listeners = lifetime.closing() if lifetime is not None else ()
             end = functools.partial(_end_stream, self._backend, self._handle, lifetime, listeners)
             if listeners or in_collection():

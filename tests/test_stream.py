@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
 from typing import Any
 
@@ -223,3 +224,62 @@ async def test_event_wait_timeout(ops: Any) -> None:
     finally:
         latch.release()
     await e.wait(timeout=10)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["closed once", "control"])
+def test_two_threads_closing_one_stream_close_it_once(
+    fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thread A closes a consumer's stream and is preempted while it records
+    the consumer's open read there (forced); the main thread closes it too:
+    that close returns at once and destroys nothing, A records the read, and
+    the producer's next write waits for it (the control closes twice: the
+    stream was destroyed under A's record, which failed, and every later
+    write of the array raised; the destroy could also take the stream a third
+    thread was just given the handle for)."""
+    from cai_streams import _access, _identity, sim
+
+    cs.use_backend("sim")
+    if not fixed:
+        monkeypatch.setattr(_identity.Lifetime, "claim_close", lambda self: True)
+    backend = cs.current_backend()
+    w, s = cs.Stream(), cs.Stream()
+    t = cs.track(sim.asarray(np.zeros(64, np.float32)))
+    view = cs.consume_blocking(t, stream=s)  # a consumer read open on s: recorded at the close
+    paused, resume = threading.Event(), threading.Event()
+    real = _access.Access.stream_closing
+
+    def preempted(self: Any) -> None:
+        if threading.current_thread().name == "A" and not paused.is_set():
+            paused.set()
+            resume.wait(10)
+        real(self)
+
+    monkeypatch.setattr(_access.Access, "stream_closing", preempted)
+    handle = s.handle
+    errors: list[Exception] = []
+
+    def close_in_a() -> None:
+        try:
+            s.close()
+        except Exception as exc:  # noqa: BLE001 - (the control's)
+            errors.append(exc)
+
+    a = threading.Thread(target=close_in_a, name="A")
+    a.start()
+    assert paused.wait(10)
+    s.close()  # the main thread's
+    exists = backend.is_stream(handle)
+    resume.set()
+    a.join(10)
+    del view
+    if fixed:
+        assert exists and not errors
+        with t.writing(w):
+            pass
+        assert not backend.is_stream(handle)
+    else:
+        assert not exists and errors
+        with pytest.raises(ValueError, match="closed"):
+            with t.writing(w):
+                pass
