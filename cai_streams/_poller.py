@@ -32,6 +32,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -180,6 +181,16 @@ def _soon_in(loop_ref: weakref.ref[asyncio.AbstractEventLoop], fn: Callable[[], 
     loop.call_soon_threadsafe(fn)
 
 
+def _soon_in_trio(token_ref: weakref.ref[Any], fn: Callable[[], object]) -> None:
+    """``fn()`` in the trio run whose token ``token_ref`` names, from any
+    thread; RuntimeError once that run has ended (``trio.RunFinishedError``
+    is one too)."""
+    token = token_ref()
+    if token is None:
+        raise RuntimeError("its trio run ended")
+    token.run_sync_soon(fn)
+
+
 def sweep_pollers() -> None:
     """Let go of what the pollers of event loops closed with their pollers
     running hold (``loop.close()`` without cancelling its tasks): their
@@ -269,7 +280,10 @@ class _Poller:
         if sniffio.current_async_library() == "trio":
             import trio
 
-            self._in_loop = trio.lowlevel.current_trio_token().run_sync_soon
+            # (weakly: the poller is stored under the run's token, weakly keyed;
+            # a strong reference kept the token, the poller and its run for good)
+            token_ref = weakref.ref(trio.lowlevel.current_trio_token())
+            self._in_loop = functools.partial(_soon_in_trio, token_ref)
         else:  # asyncio, uvloop
             loop_ref = weakref.ref(asyncio.get_running_loop())
             self._in_loop = functools.partial(_soon_in, loop_ref)

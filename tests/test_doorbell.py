@@ -400,6 +400,36 @@ def test_event_loops_are_not_kept_alive() -> None:
     assert [ref() for ref in loops] == [None] * 6
 
 
+def test_trio_runs_are_not_kept_alive() -> None:
+    """anyio keeps each trio run's poller in a RunVar keyed weakly by the
+    run's token: the poller must not keep the token (it did, through its way
+    into the run from other threads: every run that consumed left its poller
+    and its token for good)."""
+    import trio
+
+    cs.use_backend("sim")
+    gc.collect()
+    before = len(_poller._pollers)
+    tokens: list[weakref.ref[Any]] = []
+
+    async def one_wait() -> None:
+        tokens.append(weakref.ref(trio.lowlevel.current_trio_token()))
+        await _time_one_wait(0.005)
+
+    try:
+        for wake in ("poll", "doorbell"):
+            cs.configure(poll=cs.PollPolicy(wake=wake))
+            for _ in range(3):
+                trio.run(one_wait)
+    finally:
+        cs.configure(poll=cs.PollPolicy())
+    gc.collect()
+    cs.stats()  # (what a run's end left to the next library call)
+    gc.collect()
+    assert [ref() for ref in tokens] == [None] * 6
+    assert len(_poller._pollers) == before
+
+
 @pytest.mark.parametrize("wake", ["poll", "doorbell"])
 def test_a_loop_closed_with_waiters_parked_is_let_go_with_what_they_keep(wake: str) -> None:
     """``loop.close()`` without cancelling a task parked in ``await consume``:
