@@ -87,7 +87,7 @@ from ._errors import HazardError
 from ._identity import StreamId, stream_id_now, thread_serial
 from ._observe import Observer
 from ._sanitizer_ranges import Access, ShadowMap
-from ._sanitizer_report import actor_name, hazard
+from ._sanitizer_report import _is_host, actor_name, hazard
 
 __all__ = ["Access", "happens_after", "happens_before", "sanitize", "sanitizing"]
 
@@ -350,7 +350,10 @@ class _State:
         library held the owner until its work was done) and what a released
         hold vouched for (:meth:`hold_released`, in any thread) is forgotten;
         anything else may still run, and a new owner not ordered after it is
-        told that the block was reused too early."""
+        told that the block was reused too early. A host thread's access is
+        over when its call returns, and its thread let go of the owner after
+        it: whichever thread frees the block (a garbage collection may run in
+        any), that access is forgotten."""
         known: Clock = {}
         actor = None
         thread = _sanitizer_threads.registered()  # (None: a hook run in a starting thread)
@@ -361,7 +364,7 @@ class _State:
             join(known, self.library.get(actor, {}))
 
         def keep(a: Access) -> Access | None:
-            if a.held or known.get(a.actor, 0) >= a.tick:
+            if a.held or _is_host(a) or known.get(a.actor, 0) >= a.tick:
                 return None
             return a if a.freed else dataclasses.replace(a, freed=True)
 

@@ -1040,3 +1040,45 @@ def test_the_legacy_stream_waits_for_a_gone_threads_per_thread_stream_after_a_sw
     out = sim.empty(1, "float64")
     sim.launch(1, lambda o, x: o.fill(x.sum()), out, box[0], reads=[box[0]], writes=[out])
     assert out.to_host()[0] == 4096.0
+
+
+def test_a_host_write_freed_by_a_collection_in_another_thread_is_no_hazard() -> None:
+    """An array written on the host (``sim.asarray``) and dropped in a
+    reference cycle; a garbage collection in another thread frees it, and that
+    thread's next array takes the block: no hazard (the host write was over
+    when its call returned, but the freeing thread was not ordered after it,
+    and the reuse was named). A kernel's pending access stays named: the
+    tests above."""
+    import gc
+
+    class Node:
+        pass
+
+    import time
+
+    errors: list[Exception] = []
+    go = [False]  # (a flag the sanitizer does not see: no ordering between the threads)
+
+    def other() -> None:
+        deadline = time.monotonic() + 10
+        while not go[0] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        gc.collect()
+        try:
+            sim.asarray(np.zeros(64, np.int64))
+        except cs.HazardError as exc:
+            errors.append(exc)
+
+    gc.disable()  # (the collection runs in the other thread)
+    th = threading.Thread(target=other)
+    th.start()  # (before the write: its start orders it after nothing of it)
+    try:
+        node = Node()
+        node.self = node  # type: ignore[attr-defined]
+        node.arr = sim.asarray(np.ones(64, np.int64))  # type: ignore[attr-defined]
+        del node
+        go[0] = True
+        th.join(10)
+    finally:
+        gc.enable()
+    assert not errors, errors
