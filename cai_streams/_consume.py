@@ -181,6 +181,7 @@ class _Handoff:
                 "consume(): the host's read",
                 waited=[waited],
                 events=[(backend, event) for event, _ in self.events],
+                view=self.view,
             )
 
     def _declare_stream_read(self, s: Stream) -> None:

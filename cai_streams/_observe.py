@@ -120,11 +120,15 @@ class Observer:
         what: str,
         waited: list[object],
         events: list[tuple[Backend, int]],
+        view: object = None,
     ) -> None:
         """The calling host thread reads or writes these byte ranges now, after
         ``waited`` / ``events`` when a call of the user's waited for them.
         ``kind`` "ready": the library says the data is ready to read now (checked
-        as a read, but nobody reads it yet: not kept as one)."""
+        as a read, but nobody reads it yet: not kept as one); "fill": the
+        simulator writes a new block's pattern (checked as a write, not kept:
+        on a GPU nothing is written). A read through ``view`` lasts while the
+        view lives (a ``consume``'s); else the access is over on return."""
 
     def scope_entered(self, scope: object) -> None:
         """The calling thread starts working for ``scope`` (a buffer's pending work)."""
@@ -186,12 +190,14 @@ def stream_access(backend: Backend, stream: int, reads: Iterable[tuple[int, int]
 
 def host_access(kind: str, ranges: Iterable[tuple[int, int]], what: str, *,
                 waited: Iterable[object] = (),
-                events: Iterable[tuple[Backend, int]] = ()) -> None:  # fmt: skip
+                events: Iterable[tuple[Backend, int]] = (),
+                view: object = None) -> None:  # fmt: skip
     """``waited`` and ``events``: what a call of the user's that returned (a
-    ``consume``) waited for: the scopes the library worked in, the events."""
+    ``consume``) waited for: the scopes the library worked in, the events;
+    ``view``: what the host reads through, for as long as it lives."""
     ranges, waited, events = list(ranges), list(waited), list(events)
     for o in _observers:
-        o.host_access(kind, ranges, what, waited, events)
+        o.host_access(kind, ranges, what, waited, events, view)
 
 
 def acquired(scope: object) -> None:

@@ -351,9 +351,11 @@ class _State:
         hold vouched for (:meth:`hold_released`, in any thread) is forgotten;
         anything else may still run, and a new owner not ordered after it is
         told that the block was reused too early. A host thread's access is
-        over when its call returns, and its thread let go of the owner after
-        it: whichever thread frees the block (a garbage collection may run in
-        any), that access is forgotten."""
+        over when its call returns (a read through a view it was handed, once
+        that view is gone), and its thread let go of the owner after it:
+        whichever thread frees the block (a garbage collection may run in any),
+        that access is forgotten. A view still alive may alias the block
+        without keeping it (an interface over a raw pointer): its read stays."""
         known: Clock = {}
         actor = None
         thread = _sanitizer_threads.registered()  # (None: a hook run in a starting thread)
@@ -364,7 +366,7 @@ class _State:
             join(known, self.library.get(actor, {}))
 
         def keep(a: Access) -> Access | None:
-            if a.held or _is_host(a) or known.get(a.actor, 0) >= a.tick:
+            if a.held or known.get(a.actor, 0) >= a.tick or (_is_host(a) and _over(a)):
                 return None
             return a if a.freed else dataclasses.replace(a, freed=True)
 
@@ -435,12 +437,17 @@ class _State:
 
     def access(self, actor: Actor, clock: Clock, items: Iterable[tuple[str, int, int]],
                what: str, site: str, *, also: Clock | None = None,
-               record: bool = True) -> None:  # fmt: skip
+               record: bool = True, until: weakref.ref[Any] | None = None) -> None:  # fmt: skip
         """Check, then record, one operation's accesses by ``actor`` at its next
         tick (``also``: more the check may count as ordered before, this once;
-        ``record`` False: only check, as for data said to be ready now)."""
+        ``record`` False: only check, as for data said to be ready now;
+        ``until``: a host read that lasts while that view lives)."""
         tick = clock.get(actor, 0) + 1
-        new = [Access(kind, actor, tick, lo, hi, what, site) for kind, lo, hi in items if hi > lo]
+        new = [
+            Access(kind, actor, tick, lo, hi, what, site, until=until)
+            for kind, lo, hi in items
+            if hi > lo
+        ]
         seen = clock
         if also is not None:
             seen = dict(clock)
@@ -636,6 +643,7 @@ class _Watcher(Observer):
         what: str,
         waited: list[object],
         events: list[tuple[Backend, int]],
+        view: object = None,
     ) -> None:
         """A call of the user's that returned (a ``consume``) orders the thread
         after what it waited for from now on; inside the library's work for a
@@ -660,12 +668,14 @@ class _Watcher(Observer):
                 also = {}
                 for obj in stack:
                     join(also, state.scope_clock(obj))
-            if kind == "ready":  # checked as a read now, and not kept: nobody reads yet
-                items = [("read", lo, hi) for lo, hi in ranges]
+            if kind in ("ready", "fill"):  # checked now, not kept: nobody reads yet, or
+                checked = "read" if kind == "ready" else "write"  # nothing was written
+                items = [(checked, lo, hi) for lo, hi in ranges]
                 state.access(actor, clock, items, what, site, also=also, record=False)
                 return
             items = [(kind, lo, hi) for lo, hi in ranges]
-            state.access(actor, clock, items, what, site, also=also)
+            until = None if view is None else weakref.ref(view)
+            state.access(actor, clock, items, what, site, also=also, until=until)
 
     def scope_entered(self, scope: object) -> None:
         """What the library learns until the scope is left is credited to it,
@@ -822,6 +832,12 @@ class _Watcher(Observer):
             _state.spans.pop((backend, graph, executable), None)
             if executable:
                 _state.launches.pop((backend, graph), None)
+
+
+def _over(a: Access) -> bool:
+    """Whether host access ``a`` is over: its call returned, and the view it
+    reads through, if any, is gone."""
+    return a.until is None or a.until() is None
 
 
 def _stale_at_end(

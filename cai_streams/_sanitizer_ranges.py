@@ -12,9 +12,11 @@ live boundary between accesses.
 
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Access", "Segment", "ShadowMap"]
 
@@ -36,6 +38,9 @@ class Access:
     #: a hold of the memory's owner was let go after the library saw this
     #: access's work complete: the memory is freed after that, in any thread
     held: bool = False
+    #: a host thread's read through a view (a ``consume``'s), which lasts as
+    #: long as the view does; None: a host access is over when its call returns
+    until: weakref.ref[Any] | None = field(default=None, compare=False)
 
 
 class Segment:

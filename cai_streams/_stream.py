@@ -434,7 +434,10 @@ class Stream(Unique):
             )
         lifetime = self._lifetime
         if self._owned and lifetime is not None and not lifetime.claim_close():
-            return  # another thread closes it now (it records what listens, then destroys)
+            # another thread closes it now: it records what listens (through the
+            # lifetime, not this wrapper), then destroys it; closed for this caller
+            self._closed = True
+            return
         if self._owned and in_collection():  # a finalizer, maybe inside a library lock
             self._closed = True
             self._keepalive = None

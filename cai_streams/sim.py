@@ -227,8 +227,9 @@ def empty(
     # sees garbage, as it would on a GPU, rather than convenient zeros. (A block
     # from the pool holds whatever its last owner left, as on a GPU.)
     if nbytes:
-        if _observe.active:  # a host write: a block reused under pending work is named
-            _observe.host_access("write", [(address, address + nbytes)], "sim.empty() fill")
+        if _observe.active:  # checked as a host write: a block reused under pending work
+            # is named (not kept: on a GPU nothing is written, nothing orders after it)
+            _observe.host_access("fill", [(address, address + nbytes)], "sim.empty() fill")
         block[:] = 0xCD
     return SimArray(view, device=ordinal)
 

@@ -1082,3 +1082,80 @@ def test_a_host_write_freed_by_a_collection_in_another_thread_is_no_hazard() -> 
     finally:
         gc.enable()
     assert not errors, errors
+
+
+class _RawPointer:
+    """An interface over a raw pointer that keeps no owner alive (as a CuPy
+    array over ``UnownedMemory``)."""
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (n,), "typestr": "<f4", "data": (ptr, False), "version": 3, "stream": None
+        }  # fmt: skip
+
+
+@pytest.mark.parametrize("view", ["kept", "dropped"])
+def test_a_block_freed_under_a_host_read_through_a_live_view_is_named(view: str) -> None:
+    """The main thread consumes a raw-pointer alias of an array to the host;
+    another thread, ordered after nothing of it, drops the array's last
+    reference and takes its block: named while the main thread's view lives
+    (it reads the new owner's data through it); once that view is gone the
+    read is over, and the reuse is no hazard."""
+    import gc
+    import time
+
+    a = sim.asarray(np.ones(1024, np.float32))
+    ptr = a.ptr
+    box: list[Any] = [a]
+    del a
+    go, errors = [False], []
+
+    def other() -> None:
+        deadline = time.monotonic() + 10
+        while not go[0] and time.monotonic() < deadline:  # (a flag the sanitizer does not see)
+            time.sleep(0.001)
+        box.clear()
+        gc.collect()  # the array's block goes back to the pool, in this thread
+        try:
+            box.append(sim.asarray(np.zeros(1024, np.float32)))
+        except cs.HazardError as exc:
+            errors.append(exc)
+
+    th = threading.Thread(target=other)
+    th.start()
+    got = cs.consume_blocking(_RawPointer(ptr, 1024))
+    if view == "dropped":
+        del got
+    go[0] = True
+    th.join(10)
+    if view == "kept":
+        assert len(errors) == 1 and "freed and reused" in str(errors[0])
+    else:
+        assert not errors, errors
+
+
+def test_a_block_sim_empty_fills_is_not_a_write_later_work_is_ordered_after() -> None:
+    """``sim.empty`` hands a new block to another thread through a flag the
+    sanitizer does not see, which writes it on a stream: no hazard (on a GPU an
+    allocation writes nothing; the fill is checked, not kept)."""
+    import time
+
+    box: list[Any] = []
+    errors: list[Exception] = []
+
+    def other() -> None:
+        deadline = time.monotonic() + 10
+        while not box and time.monotonic() < deadline:
+            time.sleep(0.001)
+        s = cs.Stream()
+        try:
+            w(s, box[0])
+        except cs.HazardError as exc:
+            errors.append(exc)
+        s.synchronize()
+
+    th = threading.Thread(target=other)
+    th.start()
+    box.append(sim.empty(1024, "float32"))
+    th.join(10)
+    assert not errors, errors

@@ -269,6 +269,7 @@ def test_two_threads_closing_one_stream_close_it_once(
     a.start()
     assert paused.wait(10)
     s.close()  # the main thread's
+    assert s.closed  # (for its caller: the other thread still records)
     exists = backend.is_stream(handle)
     resume.set()
     a.join(10)
