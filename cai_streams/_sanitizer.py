@@ -350,12 +350,10 @@ class _State:
         library held the owner until its work was done) and what a released
         hold vouched for (:meth:`hold_released`, in any thread) is forgotten;
         anything else may still run, and a new owner not ordered after it is
-        told that the block was reused too early. A host thread's access is
-        over when its call returns (a read through a view it was handed, once
-        that view is gone), and its thread let go of the owner after it:
-        whichever thread frees the block (a garbage collection may run in any),
-        that access is forgotten. A view still alive may alias the block
-        without keeping it (an interface over a raw pointer): its read stays."""
+        told that the block was reused too early. A host thread's write is over
+        when its call returns, and a read through views ``consume`` returned
+        once they are all gone, before the owner was let go: whichever thread
+        frees the block (a garbage collection may run in any), it is forgotten."""
         known: Clock = {}
         actor = None
         thread = _sanitizer_threads.registered()  # (None: a hook run in a starting thread)
@@ -437,7 +435,8 @@ class _State:
 
     def access(self, actor: Actor, clock: Clock, items: Iterable[tuple[str, int, int]],
                what: str, site: str, *, also: Clock | None = None,
-               record: bool = True, until: weakref.ref[Any] | None = None) -> None:  # fmt: skip
+               record: bool = True,
+               until: tuple[weakref.ref[Any], ...] | None = None) -> None:  # fmt: skip
         """Check, then record, one operation's accesses by ``actor`` at its next
         tick (``also``: more the check may count as ordered before, this once;
         ``record`` False: only check, as for data said to be ready now;
@@ -473,9 +472,11 @@ class _State:
                 continue
             for segment in self.shadows.cover(a.lo, a.hi):
                 reads = segment.reads
+                until = a.until
                 for r in [r for r in reads.values() if seen.get(r.actor, 0) >= r.tick]:
                     del reads[r.actor]  # this read stands for it from now on
-                reads[actor] = a
+                    until = _views_of_both(until, r.until)
+                reads[actor] = a if until is a.until else dataclasses.replace(a, until=until)
 
     def _hazard(self, first: Access, second: Access, clock: Clock) -> HazardError:
         ordered_host = None
@@ -674,7 +675,7 @@ class _Watcher(Observer):
                 state.access(actor, clock, items, what, site, also=also, record=False)
                 return
             items = [(kind, lo, hi) for lo, hi in ranges]
-            until = None if view is None else weakref.ref(view)
+            until = None if view is None else (weakref.ref(view),)
             state.access(actor, clock, items, what, site, also=also, until=until)
 
     def scope_entered(self, scope: object) -> None:
@@ -835,9 +836,20 @@ class _Watcher(Observer):
 
 
 def _over(a: Access) -> bool:
-    """Whether host access ``a`` is over: its call returned, and the view it
-    reads through, if any, is gone."""
-    return a.until is None or a.until() is None
+    """Whether host access ``a`` is over: a write (done when its call
+    returned), or a read through views that are all gone."""
+    views = a.until
+    return a.kind == "write" or (views is not None and all(v() is None for v in views))
+
+
+def _views_of_both(
+    x: tuple[weakref.ref[Any], ...] | None, y: tuple[weakref.ref[Any], ...] | None
+) -> tuple[weakref.ref[Any], ...] | None:
+    """The views a read standing for two reads lasts through: None (not known
+    to end) if either's is."""
+    if x is None or y is None:
+        return None
+    return tuple(v for v in (*x, *y) if v() is not None)
 
 
 def _stale_at_end(

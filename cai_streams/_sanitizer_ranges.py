@@ -38,9 +38,10 @@ class Access:
     #: a hold of the memory's owner was let go after the library saw this
     #: access's work complete: the memory is freed after that, in any thread
     held: bool = False
-    #: a host thread's read through a view (a ``consume``'s), which lasts as
-    #: long as the view does; None: a host access is over when its call returns
-    until: weakref.ref[Any] | None = field(default=None, compare=False)
+    #: a host thread's read through views (a ``consume``'s, and those of the
+    #: reads it stands for), which lasts as long as one of them does; None: a
+    #: read whose end is not known (a stream's, a host read of another kind)
+    until: tuple[weakref.ref[Any], ...] | None = field(default=None, compare=False)
 
 
 class Segment:
