@@ -647,6 +647,14 @@ def test_a_tracked_view_whose_stream_closes_with_work_pending_still_waits_for_it
     a = sim.asarray(np.zeros(64, np.float32))
     s = cs.Stream()
     t = cs.track(cs.consume_blocking(a, stream=s))
+    got = _written_on_closed_and_read(t, s, a)
+    time.sleep(0.3)
+    assert got == (5.0 if fixed else 0.0)
+
+
+def _written_on_closed_and_read(t: cs.TrackedArray, s: cs.Stream, a: Any) -> float:
+    """A slow write of the tracked view ``t`` on its stream ``s``, ``s``
+    closed, then a host consume of ``t``: what the host reads of ``a``."""
 
     def fill(x: Any) -> None:
         time.sleep(0.2)
@@ -656,9 +664,7 @@ def test_a_tracked_view_whose_stream_closes_with_work_pending_still_waits_for_it
         sim.launch(s, fill, t.array)
     s.close()
     cs.consume_blocking(t, timeout=10)
-    got = a.to_host()[0]
-    time.sleep(0.3)
-    assert got == (5.0 if fixed else 0.0)
+    return float(a.to_host()[0])
 
 
 @pytest.mark.parametrize("block", ["reading", "writing"])
@@ -674,16 +680,7 @@ def test_a_block_on_a_tracked_views_stream_leaves_it_followed(
     t = cs.track(cs.consume_blocking(a, stream=s))
     with getattr(t, block)(s):
         pass
-
-    def fill(x: Any) -> None:
-        time.sleep(0.2)
-        x.fill(5.0)
-
-    with cs.sanitize(False):  # (an undeclared in-place update, as another library makes)
-        sim.launch(s, fill, t.array)
-    s.close()
-    cs.consume_blocking(t, timeout=10)
-    assert a.to_host()[0] == 5.0
+    assert _written_on_closed_and_read(t, s, a) == 5.0
     with t.writing(cs.Stream()):
         pass
 
