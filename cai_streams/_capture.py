@@ -303,9 +303,11 @@ class Graph(Unique):
             self._backend.destroy_graph(self._graph)
 
     def __enter__(self) -> Graph:
+        """The graph itself. Does not block."""
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        """:meth:`close`, as that says."""
         self.close()
 
     def __repr__(self) -> str:

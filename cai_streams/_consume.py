@@ -28,8 +28,8 @@ UNTRACKED_OPT_OUT   nothing                    the producer's stream  nothing
 READY               nothing (the producer      None, or ``s``         nothing
                     names no stream)
 DLPACK_HOST         ``__dlpack__`` joins the   None                   nothing
-                    producer's work onto the
-                    export stream; the host
+                    producer's work onto a
+                    landing stream; the host
                     polls an event there
 DLPACK_ENQUEUE      ``__dlpack__`` orders      ``s``                  nothing (DLPack has
                     ``s`` after the                                   no way back to the
@@ -647,7 +647,8 @@ async def consume(
     once (after one cancellation checkpoint); ``view.stream`` is ``s``'s handle.
     ``sync=False`` (or ``CAI_STREAMS_SYNC=0`` when ``sync`` is None) waits for
     nothing, and ``view.stream`` names the producer's stream (for a tracked
-    array: its export stream, with the pending writes joined onto it).
+    array: its export stream, with the pending writes joined onto it; for a
+    DLPack producer: None, or ``s``).
 
     A tracked array is waited for through its own pending writes, plus what
     its interface reports pending; every consumer of it is protected, not only
@@ -657,8 +658,9 @@ async def consume(
     A DLPack producer (any object with ``__dlpack__`` and ``__dlpack_device__``
     whose interface, if any, is older than version 3 and so names no stream;
     ``protocol="cai"`` or ``"dlpack"`` forces one) is asked to order the stream
-    the consumer uses: the scheduler's export stream, then polled, for
-    ``stream=None``; ``s`` otherwise; -1 (no synchronization) for
+    the consumer uses: for ``stream=None``, a stream of the scheduler's with
+    nothing else on it (a landing stream: the host waits for that producer
+    alone), then polled; ``s`` otherwise; -1 (no synchronization) for
     ``sync=False``. Its tensor's deleter runs once, when ``view.owner`` is
     collected. A producer not on a CUDA device raises
     :class:`~cai_streams.InterfaceError`.

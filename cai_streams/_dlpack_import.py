@@ -69,6 +69,8 @@ def choose_protocol(obj: object, protocol: object) -> tuple[bool, Any]:
     decide (``Unread.UNREAD`` if none was), so that the interface path need
     not read it again. May read the interface (user code); enqueues nothing."""
     if protocol is None:
+        if type(obj) is ArrayView:  # (its own: version 3, read by parse, never exported)
+            return False, Unread.UNREAD
         if not has_dlpack(obj):
             return False, Unread.UNREAD
         cai = _interface_naming_stream(obj)

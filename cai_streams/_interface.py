@@ -209,11 +209,42 @@ class ArrayView(_ViewSlots):
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The view as a version 3 interface (a new dict each time).
+
+        Where its ``stream`` handle names the stream it was handed to (that
+        thread's stream 2, that device's 1 or 2, a stream still open), only
+        bookkeeping. Handed on where the handle names another stream (another
+        thread, another device current), that stream is joined onto the
+        device's export stream, which the dict names, as :func:`export` does
+        (only enqueues GPU work); once that stream was closed, ValueError
+        (its work can no longer be waited for by handle).
+        """
+        key = self._stream_key
+        if key is not None and self._handed_on_elsewhere(key):
+            from ._tracked import export
+
+            return export(self)
+        return self._v3()
+
+    def _v3(self) -> dict[str, Any]:
+        """The view's own version 3 dict (a copy), whatever its stream names now."""
         cai = self._cai
         if cai is None:
             cai = v3_dict(self)
             _set_cai(self, cai)
         return dict(cai)
+
+    def _handed_on_elsewhere(self, key: Any) -> bool:
+        """Whether ``view.stream``, a handle the library handed the view to as
+        the stream ``key``, names another stream for this thread now."""
+        from ._identity import stream_id_now
+
+        if self.stream != key.handle:
+            return False
+        try:
+            return bool(stream_id_now(key.backend, key.handle) != key)
+        except Exception:  # noqa: BLE001 - a handle that names nothing now: another stream's
+            return True
 
     def __dlpack__(
         self,

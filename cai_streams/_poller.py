@@ -127,11 +127,13 @@ class PollPolicy:
 
     @classmethod
     def low_latency(cls) -> PollPolicy:
-        """Never sleep between passes: lowest wake latency, one busy core while waiting."""
+        """Never sleep between passes: lowest wake latency, one busy core while
+        waiting. Only makes the policy (pass it to :func:`configure`)."""
         return cls(spin=0, first=0.0, growth=1.0, cap=0.0, wake="poll")
 
     def delays(self) -> Iterable[float]:
-        """The sleeps between passes after a wake-up, in order (endless)."""
+        """The sleeps between passes after a wake-up, in order (endless). Only
+        computes them; does not sleep."""
         for _ in range(self.spin):
             yield 0.0
         delay = self.first

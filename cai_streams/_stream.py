@@ -314,6 +314,8 @@ class Stream(Unique):
 
     @property
     def closed(self) -> bool:
+        """Whether this wrapper was closed, or the stream it names was (by its
+        owner, in any thread). Does not block."""
         lifetime = self._lifetime
         return self._closed or (lifetime is not None and lifetime.closed)
 
@@ -469,12 +471,17 @@ class Stream(Unique):
             lifetime.close()
 
     def __cuda_stream__(self) -> tuple[int, int]:
+        """``(0, handle)``: the stream protocol other libraries take a stream
+        by (ValueError once closed). Does not block."""
         return (0, self.handle)
 
     def __enter__(self) -> Stream:
+        """The stream itself. Does not block."""
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        """:meth:`close` (an owned stream is destroyed, consumer reads on it
+        recorded first). Does not block."""
         self.close()
 
     def _same_backend(self, other: Backend) -> None:
@@ -640,7 +647,9 @@ class Event(Unique):
     """A point in a stream's work: complete once everything before it ran.
 
     Made by :meth:`Stream.record`; destroyed by :meth:`close` or when collected
-    (a pending record still completes). Keeps its stream alive.
+    (a pending record still completes). Keeps its stream alive. Only
+    :meth:`synchronize` blocks; :meth:`wait` yields to the event loop; the
+    rest never blocks.
     """
 
     __slots__ = ("__weakref__", "_backend", "_handle", "_mark", "_state", "_stream", "_waits")

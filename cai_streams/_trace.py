@@ -39,7 +39,9 @@ class Span:
 
 @dataclass
 class Trace(Observer):
-    """A recording of stream activity (see :func:`trace`)."""
+    """A recording of stream activity (see :func:`trace`). Its methods only
+    read or add to the recording: none enqueues GPU work or waits for it
+    (``to_chrome`` and ``plot`` write their file)."""
 
     t0: float = field(default_factory=time.perf_counter)
     spans: list[Span] = field(default_factory=list)

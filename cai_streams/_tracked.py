@@ -42,7 +42,9 @@ class TrackedArray(Unique):
     ``array`` is the wrapped object, ``view`` its validated interface and
     ``export_stream`` the stream exports join onto by default. The pending work
     belongs to the array, not to this object: dropping it forgets nothing, and
-    ``cs.track(array)`` gives a TrackedArray over the same state.
+    ``cs.track(array)`` gives a TrackedArray over the same state. Its blocks
+    and exports only enqueue GPU work; each waits only for another thread's
+    conflicting open block, bounded (each method says so).
     """
 
     __slots__ = ("__weakref__", "_work", "array", "view")
@@ -392,7 +394,7 @@ def export(obj: object, *, stream: object = None) -> dict[str, Any]:
         return _export_work(found[0], stream)
     view = parse(obj)
     given = _given(stream, backend)
-    cai = view.__cuda_array_interface__  # (a copy: no throwaway view, which would
+    cai = view._v3()  # (a copy: no throwaway view, which would
     cai["stream"] = None  # join a lease of a view handed to a stream)
     if not settings.export_stream or view.stream is None:
         return cai

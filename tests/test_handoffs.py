@@ -2343,3 +2343,58 @@ def test_a_cyclic_mask_is_an_interface_error() -> None:
 def test_views_can_be_weakly_referenced() -> None:
     view = cs.read_interface(sim.empty(4))
     assert weakref.ref(view)() is view
+
+
+def _read_as_another_library(view: Any, of: Any) -> float:
+    """What CuPy or Numba given ``view`` would see of ``of``: they take its
+    interface's ``stream`` entry, synchronize that stream, and read."""
+    stream = view.__cuda_array_interface__["stream"]
+    cs.Stream.wrap(1 if stream is None else stream).synchronize()
+    return float(_values(of)[0])
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["exported", "control"])
+@pytest.mark.parametrize("where", ["another thread", "another device current"])
+def test_a_views_interface_handed_on_elsewhere_names_a_stream_that_waits(
+    sim_backend: cs.Backend, fixed: bool, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A view handed to a default stream (thread A's 2, device 1's 1) with a
+    slow write of it there, read through its interface in another thread, or
+    with device 0 current: the stream the interface names waits for that
+    write (the control re-exports the bare handle, which names another
+    stream there, and the other library read the old data)."""
+    if not fixed:
+        monkeypatch.setattr(cs.ArrayView, "_handed_on_elsewhere", lambda self, key: False)
+    if where == "another device current":
+        cs.set_device(1)
+    x = sim.asarray(np.ones(4, np.float32), device=1 if where != "another thread" else None)
+    handle = 2 if where == "another thread" else 1
+    view = cs.consume_blocking(x, stream=handle)
+    with cs.sanitize(False):  # (an undeclared write, as another library makes)
+        sim.launch(cs.Stream.wrap(handle), lambda a: a.fill(8.0), view, duration=0.2)
+    got: list[float] = []
+    if where == "another thread":
+        th = threading.Thread(target=lambda: got.append(_read_as_another_library(view, x)))
+        th.start()
+        th.join(10)
+    else:
+        cs.set_device(0)
+        got.append(_read_as_another_library(view, x))
+    time.sleep(0.25)  # (the write is done)
+    assert got == ([8.0] if fixed else [1.0])
+
+
+def test_a_views_interface_is_refused_once_its_stream_closed(sim_backend: cs.Backend) -> None:
+    """Handed to ``s``, which was closed since (its handle given to a new
+    stream): the view's interface raises ValueError, as handing it on does
+    (it named the handle, now the new stream's, and another library waited
+    for the wrong stream)."""
+    x = sim.asarray(np.ones(4, np.float32))
+    s = cs.Stream()
+    view = cs.consume_blocking(x, stream=s)
+    s.close()
+    new = cs.Stream()
+    assert new.handle == view.stream  # (the simulator recycles handles, as CUDA does)
+    with pytest.raises(ValueError, match="which was closed"):
+        view.__cuda_array_interface__  # noqa: B018
+    assert view.with_stream(None).__cuda_array_interface__["stream"] is None
