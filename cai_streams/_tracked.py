@@ -214,7 +214,7 @@ def _sync_handoff(attempt: Any, what: str) -> Any:
 
 def _export_work(work: PendingWork, stream: object) -> dict[str, Any]:
     given = _given(stream, work.backend)
-    cai = work.layout.__cuda_array_interface__
+    cai = work.layout._v3()  # (its own dict: whatever its stream names now)
     if not settings.export_stream:  # None always: not the stream the array was tracked on
         cai["stream"] = None
         return cai
