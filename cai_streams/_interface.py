@@ -212,12 +212,14 @@ class ArrayView(_ViewSlots):
         """The view as a version 3 interface (a new dict each time).
 
         Where its ``stream`` handle names the stream it was handed to (that
-        thread's stream 2, that device's 1 or 2, a stream still open), only
-        bookkeeping. Handed on where the handle names another stream (another
-        thread, another device current), that stream is joined onto the
-        device's export stream, which the dict names, as :func:`export` does
-        (only enqueues GPU work); once that stream was closed, ValueError
-        (its work can no longer be waited for by handle).
+        thread's stream 2, that device's 1 or 2, a stream of the library's
+        still open, or another library's stream), only bookkeeping. Handed on
+        where the handle names another stream (another thread, another device
+        current), that stream is joined onto the device's export stream, which
+        the dict names, as :func:`export` does: only enqueues GPU work, and for
+        a view of a tracked array waits only for another thread's open
+        ``writing()`` block of it (bounded). Once that stream was closed,
+        ValueError (its work can no longer be waited for by handle).
         """
         key = self._stream_key
         if key is not None and self._handed_on_elsewhere(key):
@@ -239,8 +241,9 @@ class ArrayView(_ViewSlots):
         the stream ``key``, names another stream for this thread now."""
         from ._identity import stream_id_now
 
-        if self.stream != key.handle:
-            return False
+        if self.stream != key.handle or (key.generation == 0 and key.handle > 2):
+            return False  # (another library's handle, not a default stream 1 or 2: it
+            # names what it named; a stream given it since cannot be told apart)
         try:
             return bool(stream_id_now(key.backend, key.handle) != key)
         except Exception:  # noqa: BLE001 - a handle that names nothing now: another stream's

@@ -475,7 +475,8 @@ class _State:
                 until = a.until
                 for r in [r for r in reads.values() if seen.get(r.actor, 0) >= r.tick]:
                     del reads[r.actor]  # this read stands for it from now on
-                    until = _views_of_both(until, r.until)
+                    if _is_host(r):  # (a stream's read it is ordered after is done)
+                        until = _views_of_both(until, r.until)
                 reads[actor] = a if until is a.until else dataclasses.replace(a, until=until)
 
     def _hazard(self, first: Access, second: Access, clock: Clock) -> HazardError:
@@ -849,7 +850,9 @@ def _views_of_both(
     to end) if either's is."""
     if x is None or y is None:
         return None
-    return tuple(v for v in (*x, *y) if v() is not None)
+    # once each, by identity (one view read again and again is one weakref; views
+    # compare by value, and a dead weakref cannot be hashed)
+    return tuple({id(v): v for v in (*x, *y) if v() is not None}.values())
 
 
 def _stale_at_end(

@@ -1076,7 +1076,9 @@ class _RawPointer:
         }  # fmt: skip
 
 
-@pytest.mark.parametrize("view", ["kept", "kept, and another dropped", "dropped"])
+@pytest.mark.parametrize(
+    "view", ["kept", "kept, and another dropped", "dropped", "dropped, after a kernel's read"]
+)
 def test_a_block_freed_under_a_host_read_through_a_live_view_is_named(view: str) -> None:
     """The main thread consumes a raw-pointer alias of an array to the host;
     another thread, ordered after nothing of it, drops the array's last
@@ -1107,10 +1109,14 @@ def test_a_block_freed_under_a_host_read_through_a_live_view_is_named(view: str)
         except cs.HazardError as exc:
             errors.append(exc)
 
+    if view == "dropped, after a kernel's read":  # (a stream's read the host's stands for)
+        s = cs.Stream()
+        r(s, box[0])
+        s.synchronize()
     th = threading.Thread(target=other)
     th.start()
     got = cs.consume_blocking(_RawPointer(ptr, 1024))
-    if view == "dropped":
+    if view.startswith("dropped"):
         del got
     elif view == "kept, and another dropped":
         cs.consume_blocking(_RawPointer(ptr, 1024))
@@ -1147,3 +1153,18 @@ def test_a_block_sim_empty_fills_is_not_a_write_later_work_is_ordered_after() ->
     box.append(sim.empty(1024, "float32"))
     th.join(10)
     assert not errors, errors
+
+
+def test_a_view_consumed_again_and_again_is_one_view_of_its_read() -> None:
+    """One view consumed to the host in a loop: its read carries that view
+    once (a copy of its weakref per consume piled up: each consume slower)."""
+    x = sim.asarray(np.ones(1024, np.float32))
+    v = cs.consume_blocking(x)
+    for _ in range(200):
+        assert cs.consume_blocking(v) is v
+    reads = [
+        r
+        for seg in _sanitizer._state.shadows.cover(x.ptr, x.ptr + 4096)
+        for r in seg.reads.values()
+    ]
+    assert [len(r.until or ()) for r in reads] == [1]
