@@ -16,6 +16,7 @@ from typing import Any, Final
 import numpy as np
 
 from ._errors import InterfaceError
+from ._identity import stream_id_now
 from ._unique import Unique
 
 __all__ = ["ArrayView", "c_strides", "is_c_contiguous", "parse", "stream_of", "v3_dict"]
@@ -239,8 +240,6 @@ class ArrayView(_ViewSlots):
     def _handed_on_elsewhere(self, key: Any) -> bool:
         """Whether ``view.stream``, a handle the library handed the view to as
         the stream ``key``, names another stream for this thread now."""
-        from ._identity import stream_id_now
-
         if self.stream != key.handle or (key.generation == 0 and key.handle > 2):
             return False  # (another library's handle, not a default stream 1 or 2: it
             # names what it named; a stream given it since cannot be told apart)
