@@ -474,6 +474,8 @@ class _State:
                 reads = segment.reads
                 until = a.until
                 for r in [r for r in reads.values() if seen.get(r.actor, 0) >= r.tick]:
+                    if a.until is None and _is_host(r) and not _over(r):
+                        continue  # (a read not known to end cannot carry a host read's views)
                     del reads[r.actor]  # this read stands for it from now on
                     if _is_host(r):  # (a stream's read it is ordered after is done)
                         until = _views_of_both(until, r.until)

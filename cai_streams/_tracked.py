@@ -343,8 +343,13 @@ def lookup(
     if type(obj) is ArrayView and obj.owner is not None:
         work = find_work(backend, obj.owner)
         if work is not None and _within(byte_range(obj), byte_range(work.layout)):
-            if obj.stream is not None and (settings.sync if sync is None else sync):
-                # where the view says its data is ready: its consumer may have written
+            key = obj._stream_key
+            if (
+                obj.stream is not None
+                and (key is None or key != work.layout._stream_key)
+                and (settings.sync if sync is None else sync)
+            ):  # where the view says its data is ready: its consumer may have written
+                # (the tracked view's own stream is noted by the handoff: own_stream)
                 work.note_stream(view_stream_id(backend, obj))
             return work, obj
     return None

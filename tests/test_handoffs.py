@@ -685,6 +685,22 @@ def test_a_block_on_a_tracked_views_stream_leaves_it_followed(
         pass
 
 
+def test_a_tracked_views_own_view_keeps_working_after_its_stream_closed(
+    sim_backend: cs.Backend,
+) -> None:
+    """``t.view`` of a view tracked while its stream was open, after that
+    stream closed: exported, consumed and tracked as ``t`` (it was taken for
+    another view of the array, whose stream was noted, and raised ValueError)."""
+    a = sim.asarray(np.zeros(64, np.float32))
+    s = cs.Stream()
+    t = cs.track(cs.consume_blocking(a, stream=s))
+    assert _written_on_closed_and_read(t, s, a) == 5.0
+    assert cs.track(t.view) is t
+    cs.export(t.view)
+    t.view.__cuda_array_interface__  # noqa: B018
+    cs.consume_blocking(t.view, timeout=5)
+
+
 def test_tracking_a_view_whose_stream_closed_is_refused(sim_backend: cs.Backend) -> None:
     """Tracked only after its stream closed, a view names a stream whose work
     cannot be waited for any more (its handle may name another stream): the
