@@ -364,7 +364,9 @@ class _State:
             join(known, self.library.get(actor, {}))
 
         def keep(a: Access) -> Access | None:
-            if a.held or known.get(a.actor, 0) >= a.tick or (_is_host(a) and _over(a)):
+            if _is_host(a) and a.until is not None and not _over(a):
+                pass  # a read through a live view lasts: no ordering or hold ends it
+            elif a.held or known.get(a.actor, 0) >= a.tick or (_is_host(a) and _over(a)):
                 return None
             return a if a.freed else dataclasses.replace(a, freed=True)
 

@@ -1080,6 +1080,7 @@ class _RawPointer:
     "view",
     [
         "kept",
+        "kept, its owner held on a stream",
         "kept, and another dropped",
         "kept, a kernel's read, another dropped",
         "dropped",
@@ -1123,6 +1124,12 @@ def test_a_block_freed_under_a_host_read_through_a_live_view_is_named(view: str)
     th = threading.Thread(target=other)
     th.start()
     got = cs.consume_blocking(_RawPointer(ptr, 1024))
+    if view.endswith("held on a stream"):  # (the hold's release vouches for the stream's work)
+        s = cs.Stream()
+        r(s, box[0])
+        cs.hold(box[0], until=s)
+        s.synchronize()
+        cs.stats()  # (the hold is released)
     if view.startswith("dropped"):
         del got
     elif view.endswith("another dropped"):
