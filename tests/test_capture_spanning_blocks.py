@@ -226,54 +226,29 @@ def test_a_block_ending_between_the_drivers_end_and_the_look_for_open_blocks_is_
     assert (got == (9.0 if fixed else 0.0)).all(), got
 
 
-def test_forked_streams_of_two_devices_capturing_at_once_each_find_their_own() -> None:
-    """One capture under way on each device; a stream of device 0 forked into
-    device 0's capture writes an array there: that capture's graph has it
-    (looking on the whole backend found two and gave up)."""
-    backend = cs.current_backend()
-    if backend.device_count() < 2:
-        pytest.skip("needs two simulated devices")
-    s0, side0, launch_on = cs.Stream(device=0), cs.Stream(device=0), cs.Stream(device=0)
-    s1 = cs.Stream(device=1)
-    x = sim.asarray(np.zeros(4, np.float32), device=0)
-    tx = cs.track(x)
-    with cs.sanitize():
-        s1.begin_capture("relaxed")
-        s0.begin_capture("relaxed")
-        side0.wait(s0.record())
-        with tx.writing(side0):
-            sim.launch(side0, _fill(9.0), x, writes=[x], duration=SLOW)
-        s0.wait(side0.record())
-        graph0 = s0.end_capture()
-        graph1 = s1.end_capture()
-        graph0.launch(launch_on)
-        got = _consumed(x)
-        launch_on.synchronize()
-    graph0.close()
-    graph1.close()
-    assert (got == 9.0).all(), got
-
-
-def test_a_stream_forked_through_stream_wait_is_its_captures_with_two_devices_capturing() -> None:
-    """Device 1 captures on its own; a stream of device 1 forked into device
-    0's capture (``Stream.wait`` of an event recorded in it) writes an array:
-    device 0's graph has it, and device 1's graph does not (it was given to
-    device 1's, the only one on the fork's device, and launching that one
-    into a capture then waited for the array's work: CaptureError)."""
+@pytest.mark.parametrize("fork_device", [0, 1])
+def test_a_forked_stream_is_its_captures_with_two_devices_capturing(fork_device: int) -> None:
+    """One capture under way on each device; a stream of device ``fork_device``
+    forked into device 0's capture (``Stream.wait`` of an event recorded in it)
+    writes an array of that device: device 0's graph has it, device 1's does
+    not. Device 0: looking on the whole backend found two captures and gave
+    up. Device 1: it was given to device 1's, the only one on the fork's
+    device, and launching that one into a capture waited for the array's work
+    (CaptureError)."""
     backend = cs.current_backend()
     if backend.device_count() < 2:
         pytest.skip("needs two simulated devices")
     s0, launch_on = cs.Stream(device=0), cs.Stream(device=0)
-    s1, side1 = cs.Stream(device=1), cs.Stream(device=1)
-    x = sim.asarray(np.zeros(4, np.float32), device=1)
+    s1, side = cs.Stream(device=1), cs.Stream(device=fork_device)
+    x = sim.asarray(np.zeros(4, np.float32), device=fork_device)
     tx = cs.track(x)
     with cs.sanitize():
         s1.begin_capture("relaxed")
         s0.begin_capture("relaxed")
-        side1.wait(s0.record())  # (side1 joins device 0's capture)
-        with tx.writing(side1):
-            sim.launch(side1, _fill(9.0), x, writes=[x], duration=SLOW)
-        s0.wait(side1.record())
+        side.wait(s0.record())  # (side joins device 0's capture)
+        with tx.writing(side):
+            sim.launch(side, _fill(9.0), x, writes=[x], duration=SLOW)
+        s0.wait(side.record())
         graph0 = s0.end_capture()
         graph1 = s1.end_capture()
         assert graph1._capture is not None and not graph1._capture.touched
