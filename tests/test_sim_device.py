@@ -164,6 +164,41 @@ def test_a_failed_kernel_poisons_its_device_until_reset() -> None:
     np.testing.assert_array_equal(ops.to_host(x), 6.0)
 
 
+def test_a_fault_is_reported_by_every_call_once_it_happened() -> None:
+    """No synchronize needed: once the kernel has faulted, a record, a wait,
+    a launch, an allocation and a new stream raise, as the driver's calls do
+    once it has noticed (the simulator notices at once). Before the fault
+    happened (the failing kernel latched), the same calls succeed."""
+    ops = SimOps()
+    backend = sim.device()
+    s, other = cs.Stream(), cs.Stream()
+    x = ops.array(np.zeros(2, np.float32))
+    event = backend.create_event()
+    try:
+        latch = ops.latch(s)
+        ops.fail(s)
+        backend.record(event, other.handle)  # the control: not failed yet
+        backend.stream_wait_event(other.handle, event)
+        deadline = time.monotonic() + 10
+        latch.release()
+        while sim.device()._device(0).fault is None:  # the worker ran it
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        with pytest.raises(cs.KernelError):
+            backend.record(event, other.handle)
+        with pytest.raises(cs.KernelError):
+            backend.stream_wait_event(other.handle, event)
+        with pytest.raises(cs.KernelError):
+            ops.fill(other, x, 1.0)
+        with pytest.raises(cs.KernelError):
+            sim.empty(4)
+        with pytest.raises(cs.KernelError):
+            cs.Stream()
+    finally:
+        sim.reset()
+        backend.destroy_event(event)
+
+
 def test_kernels_enqueued_before_a_reset_never_run() -> None:
     ops = SimOps()
     s = cs.Stream()

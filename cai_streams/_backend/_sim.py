@@ -28,10 +28,12 @@ What else real CUDA does to programs that get it wrong, modelled here:
   has a current device (0 until it calls ``set_device``). Recording an event on
   a stream of another device is cudaErrorInvalidResourceHandle; waiting on
   another device's event is legal.
-* Sticky faults: a kernel that raises poisons its device. The next
-  synchronizing call on that device (a stream or event synchronize, an event
-  query, for any stream or event of the device) raises :class:`KernelError`,
-  and so does every call on the device after it, until ``sim.reset()``.
+* Sticky faults: a kernel that raises poisons its device. From the moment
+  it raised, every call on that device (a record, a wait, a launch, an
+  allocation, a query or synchronize of any stream or event of the device)
+  raises :class:`KernelError`, until ``sim.reset()``: the driver's calls
+  return a sticky error once it has noticed the fault, and the simulator
+  notices at once.
   Kernels enqueued on a poisoned device never run; marks and waits still
   complete, so nothing hangs. Destroying a stream or event still works.
 * Graph capture, as the driver does it (``_sim_capture``).
@@ -217,7 +219,7 @@ class SimBackend(Backend):
         """Device memory from ``device``'s pool (cudaMalloc when the pool has no
         block of that size: refused during a capture that forbids it). Does not block."""
         dev = self._device(device)
-        dev.check_usable()
+        dev.check()
         return self.memory.allocate(nbytes, dev.ordinal, lambda: self._check_unsafe("cudaMalloc"))
 
     def reset(self, device: int | None = None) -> list[int]:
@@ -231,7 +233,6 @@ class SimBackend(Backend):
         ended = self._captures.end_all(dev.ordinal)
         with self._lock:
             dev.fault = None
-            dev.fault_seen = False
             dev.epoch += 1
         self.memory.release_cached(dev.ordinal)
         return ended
@@ -270,7 +271,7 @@ class SimBackend(Backend):
         """Enqueue on ``stream`` with the default streams' implicit ordering, or
         record into its capture; False for the latter."""
         device = stream.device
-        device.check_usable()
+        device.check()
         while stream.capture is not None:
             try:
                 self._captures.record_ops(stream, ops)
@@ -294,7 +295,7 @@ class SimBackend(Backend):
 
     def create_stream(self, device: int | None = None) -> int:
         dev = self._device(device)
-        dev.check_usable()
+        dev.check()
         with self._lock:
             handle = self._handles.take("stream")
         stream = self.new_stream(handle, dev, blocking=False)
@@ -339,17 +340,17 @@ class SimBackend(Backend):
         device = target.device
         self._captures.check_sync(target)
         self._check_unsafe("cudaStreamSynchronize")
-        device.check_synchronizing()
+        device.check()
         point = Point()
         self._enqueue(target, ("mark", point))
         self._wait(point)
-        device.check_synchronizing()
+        device.check()
 
     def query_stream(self, stream: int) -> bool:
         target = self._resolve(stream)
         self._captures.check_sync(target)
         self._check_unsafe("cudaStreamQuery")
-        target.device.check_synchronizing()
+        target.device.check()
         return target.is_idle()
 
     def _wait(self, point: Point) -> None:
@@ -361,7 +362,7 @@ class SimBackend(Backend):
 
     def create_event(self, device: int | None = None) -> int:
         dev = self._device(device)
-        dev.check_usable()
+        dev.check()
         with self._lock:
             handle = self._handles.take("event")
             self._events[handle] = SimEvent(dev.ordinal)
@@ -389,7 +390,7 @@ class SimBackend(Backend):
                 f"event {event:#x} belongs to device {ev.device}; stream {stream:#x} "
                 f"is on device {device.ordinal}",
             )
-        device.check_usable()
+        device.check()
         while True:
             if target.capture is not None:
                 try:
@@ -412,7 +413,7 @@ class SimBackend(Backend):
         ev = self._event(event)
         self._captures.check_event(ev, "cudaEventQuery")
         self._check_unsafe("cudaEventQuery")
-        self._devices[ev.device].check_synchronizing()
+        self._devices[ev.device].check()
         point = ev.point
         return point is None or point.done.is_set()
 
@@ -421,16 +422,16 @@ class SimBackend(Backend):
         self._captures.check_event(ev, "cudaEventSynchronize")
         self._check_unsafe("cudaEventSynchronize")
         device = self._devices[ev.device]
-        device.check_synchronizing()
+        device.check()
         point = ev.point
         if point is not None:
             self._wait(point)
-        device.check_synchronizing()
+        device.check()
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         ev = self._event(event)
         target = self._resolve(stream)
-        target.device.check_usable()
+        target.device.check()
         if ev.captured is not None or target.capture is not None:
             self._captures.wait(target, ev)
             return
@@ -445,7 +446,7 @@ class SimBackend(Backend):
     def begin_capture(self, stream: int, mode: CaptureMode) -> None:
         _check_mode(mode)
         target = self._resolve(stream)
-        target.device.check_usable()
+        target.device.check()
         self._captures.begin(target, mode)
 
     def end_capture(self, stream: int) -> int:

@@ -129,25 +129,19 @@ class Device:
         self.ordinal = ordinal
         #: the first kernel failure since the last reset: poisons the device
         self.fault: KernelError | None = None
-        #: a synchronizing call reported ``fault``: every call now raises it
-        self.fault_seen = False
         #: bumped by reset(): kernels enqueued before it never run
         self.epoch = 0
         #: per-thread default streams of live host threads (legacy syncs with them)
         self.blocking: set[SimStream] = set()
         self.legacy = backend.new_stream(1, self, blocking=True)
 
-    def check_usable(self) -> None:
-        """Raise the fault if a synchronizing call already reported it."""
-        fault = self.fault
-        if self.fault_seen and fault is not None:
-            raise_fault(fault)
-
-    def check_synchronizing(self) -> None:
-        """A synchronizing call sees the fault and makes it stick."""
+    def check(self) -> None:
+        """Raise the sticky fault, if a kernel faulted since the last reset:
+        every call on the device but a destroy returns it from then on, as
+        the driver's calls do once it has noticed the fault (the simulator
+        notices at once: the worst case for code that makes more calls)."""
         fault = self.fault
         if fault is not None:
-            self.fault_seen = True
             raise_fault(fault)
 
 
