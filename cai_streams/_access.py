@@ -26,7 +26,7 @@ from typing import Protocol
 from . import _capture, _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
 from ._device import OnDevice
-from ._errors import CaptureError
+from ._errors import CaptureError, KernelError
 from ._events import EventPool, Mark, pool_for, record
 from ._identity import StreamId, thread_serial
 from ._stream import Stream
@@ -75,6 +75,8 @@ class Buffer(Protocol):
     def _locked(self) -> AbstractContextManager[None]: ...
 
     def unfenced_on(self, key: StreamId) -> bool: ...
+
+    def _drop(self, access: Access) -> None: ...
 
 
 class Access:
@@ -255,7 +257,15 @@ class Access:
         """The consumer's stream is closing: record its work now, while it exists."""
         with self.work._locked():
             if self.state is AccessState.LAZY:
-                self.materialize()
+                try:
+                    self.materialize()
+                except KernelError:
+                    # The device faulted: nothing the consumer enqueued runs
+                    # any more (on the simulator, not even after a reset), and
+                    # the stream is going. Kept lazy, the read would name a
+                    # destroyed stream to every later writer of the buffer.
+                    self.work._drop(self)
+                    raise
 
     def __repr__(self) -> str:
         return f"<{self.state.value} {self.kind.value} on {self.key.describe()}>"

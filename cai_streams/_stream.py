@@ -424,7 +424,10 @@ class Stream(Unique):
         the producer's next write still waits for it. Safe to call twice; a
         borrowed stream is only forgotten. Does not block. An owned stream that
         is capturing a graph raises :class:`~cai_streams.CaptureError` and stays
-        open: end the capture first.
+        open: end the capture first. On a device whose kernel faulted, the
+        record raises the :class:`~cai_streams.KernelError` after the stream
+        is destroyed, and the consumer's read is dropped with it (none of its
+        work runs any more).
         """
         if self._closed:
             return

@@ -130,3 +130,31 @@ async def test_a_fault_on_one_device_leaves_the_other_working() -> None:
     other = cs.Stream(device=1)
     view = await cs.consume(t, stream=other, timeout=20)  # a join on device 1
     other.synchronize()
+
+
+def test_a_consumer_stream_closed_on_a_faulted_device_leaves_its_array_writable_after_reset() -> (
+    None
+):
+    """The consumer's read is open on ``c`` when the device faults; closing
+    ``c`` cannot record it (every call raises) and destroys the stream. The
+    read goes with it: after a reset, the producer writes and reads again.
+    (It stayed open, naming the destroyed stream: every later write of the
+    array raised ``ValueError: this Stream is closed``.)"""
+    producer, culprit, c = cs.Stream(), cs.Stream(), cs.Stream()
+    arr = sim.empty(N)
+    t = cs.track(arr)
+    with t.writing(producer):
+        sim.launch(producer, _fill, arr, 1.0, writes=[arr], duration=0.001)
+    view = cs.consume_blocking(t, stream=c, timeout=20)  # a read open on c
+    sim.launch(culprit, _boom)
+    with pytest.raises(cs.KernelError):
+        culprit.synchronize()
+    with pytest.raises(cs.KernelError):
+        c.close()
+    assert c.closed
+    sim.reset(0)
+    with t.writing(producer):
+        sim.launch(producer, _fill, arr, 2.0, writes=[arr], duration=0.001)
+    got = cs.consume_blocking(t, timeout=20)
+    np.testing.assert_array_equal(sim._numpy_view(got), 2.0)
+    del view
