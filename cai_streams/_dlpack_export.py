@@ -33,9 +33,9 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from . import _dlpack
-from ._backend import Backend
+from ._backend import LEGACY_DEFAULT_STREAM, Backend
 from ._deferred import as_finalizer
-from ._device import view_stream_id
+from ._device import OnDevice, view_stream_id
 from ._interface import ArrayView
 from ._scheduler import scheduler_for
 from ._stream import Stream, as_stream
@@ -292,17 +292,22 @@ def export_view(
         dl_device=dl_device,
         copy=copy,
     )
-    consumer = consumer_stream(stream, backend)
-    if consumer is not None:
-        if join is not None:
-            join(consumer)
-        elif view.stream is not None:
-            sched = scheduler_for(backend, device)
-            producer = view_stream_id(backend, view)
-            if producer != consumer._key():
-                sched.join(consumer.handle, producer, keepalive=consumer, what="__dlpack__()")
-                sched.counters.add(joins=1)
-            sched.declare_stream_read(consumer, view, "__dlpack__(): the consumer's read")
+    # None, 1 and 2 name the default streams of the array's device, whichever
+    # is current (a consumer computes them for the device __dlpack_device__
+    # gave: torch.from_dlpack does not switch to it)
+    default = LEGACY_DEFAULT_STREAM if stream is None else stream if type(stream) is int else 0
+    with OnDevice(backend, device, default):
+        consumer = consumer_stream(stream, backend)
+        if consumer is not None:
+            if join is not None:
+                join(consumer)
+            elif view.stream is not None:
+                sched = scheduler_for(backend, device)
+                producer = view_stream_id(backend, view)
+                if producer != consumer._key():
+                    sched.join(consumer.handle, producer, keepalive=consumer, what="__dlpack__()")
+                    sched.counters.add(joins=1)
+                sched.declare_stream_read(consumer, view, "__dlpack__(): the consumer's read")
     return make_capsule(view, device, versioned=versioned, keep=keep)
 
 

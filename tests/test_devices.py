@@ -478,3 +478,41 @@ def test_stats_count_every_devices_events(ops: DeviceOps) -> None:
     latch.release()
     del t, arr  # their pending accesses hold their events while they live
     assert _settled(s1, other) == base
+
+
+@pytest.mark.parametrize("stream", [1, None, 2, -1], ids=["1", "None", "2", "control-minus-1"])
+@pytest.mark.parametrize("tracked", [True, False], ids=["tracked", "untracked"])
+def test_dlpack_default_streams_are_the_arrays_devices_whichever_is_current(
+    ops: DeviceOps, tracked: bool, stream: int | None
+) -> None:
+    """A DLPack consumer computes ``stream`` for the device ``__dlpack_device__``
+    gave (``torch.from_dlpack`` passes 1 for that device's default stream
+    without making it current): None, 1 and 2 name device 0's default streams
+    here, although device 1 is current at the call. They were taken for device
+    1's, which waited, and the consumer on device 0 read before the write.
+    Control: -1 asks for no synchronization and reads early."""
+    arr = ops.array(np.zeros(N, np.float32))  # device 0
+    out = ops.array(np.full(N, -1.0, np.float32))
+    producer = cs.Stream(device=0)
+    latch = ops.latch(producer)
+    ops.fill(producer, arr, 7.0)
+    if tracked:
+        obj: Any = cs.track(arr)
+        with obj.writing(producer):
+            pass  # the fill above, enqueued before the block, is the write
+    else:
+        obj = cs.read_interface(arr).with_stream(producer.handle)
+    assert obj.__dlpack_device__() == (2, 0)
+    try:
+        with cs.sanitize(stream != -1), on_device(1):  # the control races on purpose
+            capsule = obj.__dlpack__(stream=stream)
+        consumer = cs.Stream.wrap(1 if stream is None else abs(stream))
+        ops.copy(consumer, out, arr)
+        waited = held(consumer)
+    finally:
+        latch.release()
+    producer.synchronize()
+    consumer.synchronize()
+    del capsule
+    assert waited is (stream != -1)
+    np.testing.assert_array_equal(ops.to_host(out), 0.0 if stream == -1 else 7.0)
