@@ -40,6 +40,7 @@ import sniffio
 
 from . import _capture_guard
 from ._backend import Backend
+from ._deadline import finished_within
 from ._doorbell import (
     WAKE_MODES,
     BellState,
@@ -582,8 +583,7 @@ async def policy_sleep(delay: float) -> None:
     woken = anyio.Event()
     poller.sleepers.add(woken)
     try:
-        with anyio.move_on_after(delay):
-            await woken.wait()
+        await finished_within(delay, woken.wait)
     finally:
         poller.sleepers.discard(woken)
 
@@ -643,11 +643,15 @@ async def wait_for_events(
             # __exit__, chains the cancellation, whose traceback holds the frames
             # of that __exit__, which hold the cancellation: a cycle that kept the
             # caller's frames (and the arrays in them) until a garbage collection
-            # (Python 3.12). This TimeoutError chains nothing.
-            with anyio.move_on_after(timeout) as scope:
-                while pending:
-                    pending = await _wait_once(_current_poller(), backend, pending)
-            if scope.cancelled_caught:
+            # (Python 3.12). This TimeoutError chains nothing. Nor an anyio scope
+            # under asyncio: a loop closed with this task parked kept it for good.
+            box = [pending]
+
+            async def until_done() -> None:
+                while box[0]:
+                    box[0] = await _wait_once(_current_poller(), backend, box[0])
+
+            if not await finished_within(timeout, until_done):
                 said = timeout if given is None else given
                 raise TimeoutError(f"GPU work not complete after {said} s")
     except BaseException:

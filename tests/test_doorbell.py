@@ -430,15 +430,20 @@ def test_trio_runs_are_not_kept_alive() -> None:
     assert len(_poller._pollers) == before
 
 
+@pytest.mark.parametrize("timeout", [None, 10.0], ids=["", "timeout"])
 @pytest.mark.parametrize("wake", ["poll", "doorbell"])
-def test_a_loop_closed_with_waiters_parked_is_let_go_with_what_they_keep(wake: str) -> None:
+def test_a_loop_closed_with_waiters_parked_is_let_go_with_what_they_keep(
+    wake: str, timeout: float | None
+) -> None:
     """``loop.close()`` without cancelling a task parked in ``await consume``:
     its poller, stored under the loop weakly, held the loop through the
     waiter's event, its task and its sleep, so the loop, the task, the array
     it consumed and its pinned event were never freed (a plain
     ``asyncio.sleep`` task is: the control). The next ``cs.stats()`` (or a
     poller starting in another loop) lets go, and the next collection frees
-    them; the handoff gives its event back at the next library call."""
+    them; the handoff gives its event back at the next library call. With a
+    ``timeout``, anyio's cancel scope (kept per task in a module-level table
+    whose value refers back to the task) kept all of it under asyncio."""
     import asyncio
 
     cs.use_backend("sim")
@@ -461,7 +466,7 @@ def test_a_loop_closed_with_waiters_parked_is_let_go_with_what_they_keep(wake: s
         return weakref.ref(loop)
 
     async def waiter() -> None:
-        await cs.consume(box.pop())
+        await cs.consume(box.pop(), timeout=timeout)
 
     async def sleeper() -> None:
         await asyncio.sleep(100)
@@ -479,6 +484,55 @@ def test_a_loop_closed_with_waiters_parked_is_let_go_with_what_they_keep(wake: s
     assert owner() is None
     assert after["events_pinned"] == before["events_pinned"]
     assert after["events_in_flight"] == before["events_in_flight"]
+    s.close()
+
+
+@pytest.mark.parametrize("timeout", [None, 10.0], ids=["", "timeout"])
+def test_a_loop_closed_while_a_consume_waits_for_another_threads_block_lets_go(
+    timeout: float | None,
+) -> None:
+    """A consume parked behind another thread's open ``writing()`` block
+    sleeps by the poll policy; its loop closed meanwhile kept the task and
+    the array for good (the sleep was an anyio cancel scope, kept per task in
+    a module-level table whose value refers back to the task)."""
+    import asyncio
+
+    cs.use_backend("sim")
+    s = cs.Stream()
+    arr = sim.asarray(np.zeros(4, np.float32))
+    t = cs.track(arr)
+    owner = weakref.ref(arr)
+    entered, done = threading.Event(), threading.Event()
+
+    def holder(tracked: cs.TrackedArray) -> None:
+        with tracked.writing(s):
+            entered.set()
+            done.wait(20)
+
+    thread = threading.Thread(target=holder, args=(t,))
+    thread.start()
+    assert entered.wait(10)
+    box = [t]
+    del arr, t
+
+    async def waiter() -> None:
+        await cs.consume(box.pop(), timeout=timeout)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (asyncio: "Task was destroyed but it is pending")
+        loop = asyncio.new_event_loop()
+        loop.create_task(waiter())  # noqa: RUF006 - abandoned on purpose
+        loop.run_until_complete(asyncio.sleep(0.05))  # (parked)
+        loop.close()
+        del loop
+        done.set()
+        thread.join(10)
+        s.synchronize()
+        cs.stats()
+        gc.collect()
+        cs.stats()
+        gc.collect()
+    assert owner() is None
     s.close()
 
 
