@@ -68,6 +68,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Final, Literal, Protocol
 
 import anyio
@@ -812,6 +813,16 @@ class PollerBells:
         (each bell left watched took two descriptors, until the doorbell's limit
         refused bells to every loop)."""
         for bell in [b for b in self._watched if b.entry is entry]:
+            self._retire(bell)
+
+    def retire_for_entries(self, entries: AbstractSet[Armable]) -> None:
+        """A pass found these entries complete (or failed) before their bells
+        rang: stop watching the bells. Most ring at once and are closed as
+        they do; one whose host function will never run (its device was
+        reset, which skipped it) is settled once its lane is found idle, not
+        left watched, and counted against the descriptor limit, while the
+        poller lives."""
+        for bell in [b for b in self._watched if b.entry in entries]:
             self._retire(bell)
 
     def retire_all(self) -> None:

@@ -523,6 +523,7 @@ class _Poller:
         budget = _policy.slice
         started = time.perf_counter()
         relax = _capture_guard.RelaxedScope()  # restored before each await
+        rung_out: set[_Entry] = set()  # popped with a bell still armed
         for qkey in list(self.queues):
             queue = self.queues.get(qkey)
             sparse = False
@@ -545,6 +546,8 @@ class _Poller:
                     entry.state = _State.DONE
                 queue.popleft()
                 self.entries.pop((entry.backend, entry.event), None)
+                if entry.bell is BellState.ARMED:
+                    rung_out.add(entry)
                 for waiter in entry.waiters:
                     waiter.set()
                 counters.wakes += len(entry.waiters)
@@ -556,9 +559,14 @@ class _Poller:
                 self.bells.chain(queue[0], qkey)
             if time.perf_counter() - started > budget:
                 relax.restore()
+                if rung_out:
+                    self.bells.retire_for_entries(rung_out)
+                    rung_out = set()
                 await anyio.lowlevel.checkpoint()
                 started = time.perf_counter()
         relax.restore()
+        if rung_out:
+            self.bells.retire_for_entries(rung_out)
         return woke
 
 
