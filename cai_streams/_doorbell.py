@@ -298,6 +298,9 @@ class _Doorbell:
         self.handed: dict[int, int] = {}
         #: bells the loops watch (a sweep retires those whose loop was closed)
         self.watched: set[_Bell] = set()
+        #: bells that fired and whose read end the loop closes in its next
+        #: turn (a sweep closes it if the loop was closed before that turn)
+        self.unclosed: set[_Bell] = set()
         self._settled_at = 0.0  # when arming last settled the retired bells
         #: what the loops reported (done), applied under the lock by whoever
         #: holds it next: a report may come from a garbage collection that ran
@@ -588,11 +591,14 @@ class _Doorbell:
             bell, phase = self._reports.popleft()
             lane = bell.lane
             if phase is _Phase.CLOSED:
+                self.unclosed.discard(bell)
                 self.fds -= 1
                 continue
             self.watched.discard(bell)
             lane.watched -= 1
             if phase is _Phase.FIRED:
+                if bell.phase is _Phase.FIRED:  # (its CLOSED report not in yet)
+                    self.unclosed.add(bell)
                 counters.fired += 1
                 self._not_handed(bell)
                 self.fds -= 1
@@ -607,12 +613,20 @@ class _Doorbell:
 
     def _retire_abandoned(self) -> None:
         """Lock held: bells whose event loop was closed with its poller still
-        running (``loop.close()`` without cancelling its tasks) are retired."""
+        running (``loop.close()`` without cancelling its tasks) are retired;
+        the read end of one that fired is closed, if the loop was closed (a
+        stop in the turn that handled the ring) before the turn that would."""
         for bell in list(self.watched):
             if bell.phase is _Phase.WATCHED and bell.loop_closed():
                 bell.phase = _Phase.RETIRED
                 self._reports.append((bell, _Phase.RETIRED))
         self._apply_reports()
+        for bell in list(self.unclosed):
+            if bell.phase is _Phase.FIRED and bell.loop_closed():
+                bell.phase = _Phase.CLOSED  # (a closed loop runs no callback again)
+                os.close(bell.rfd)
+                self.unclosed.discard(bell)
+                self.fds -= 1
 
     def sweep(self) -> None:
         """Settle the orphans of every lane, free the lanes found idle, retire
@@ -801,6 +815,8 @@ class PollerBells:
                 later(self._close_read_end, bell)
 
     def _close_read_end(self, bell: _Bell) -> None:
+        if bell.phase is not _Phase.FIRED:  # (a sweep closed it: its loop was closed)
+            return
         self._unwatch(bell)
         os.close(bell.rfd)
         _doorbell.done(bell, _Phase.CLOSED)

@@ -1284,6 +1284,54 @@ def test_bells_of_a_loop_closed_with_its_poller_running_are_retired() -> None:
     s.close()
 
 
+def test_a_loop_closed_in_the_turn_after_a_ring_leaves_no_read_end_open() -> None:
+    """A bell's read end is closed one loop turn after it rings; a loop
+    stopped in the turn that handles the ring and then closed never runs that
+    turn: a sweep closes the read end (it stayed open, counted against the
+    doorbell's limit, for good)."""
+    import asyncio
+
+    cs.use_backend("sim")
+    cs.configure(poll=_sleepy("doorbell"))  # (no pass finds the event first)
+    s = cs.Stream()
+    asyncio.run(s.record().wait())  # (a lane made, imports done)
+    before = _settled()
+    fds = len(os.listdir("/proc/self/fd")) if _PROC_FDS else None
+    gate = threading.Event()
+    sim.launch(s, lambda: gate.wait(20))
+    event = s.record()
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(event.wait())
+
+    rang = []
+
+    def ring_while_busy() -> None:  # the bell rings while the loop is busy here,
+        (bell,) = _doorbell._doorbell.watched  # and the stop below is due by the
+        gate.set()  # time its turn comes
+        deadline = time.monotonic() + 10
+        while not _doorbell._has_fired(bell.rfd) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        rang.append(_doorbell._has_fired(bell.rfd))
+        time.sleep(0.02)  # (past the stop's due time)
+
+    loop.call_later(0.05, ring_while_busy)
+    loop.call_later(0.06, loop.stop)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (asyncio: "Task was destroyed but it is pending")
+        loop.run_forever()
+        loop.close()
+        del task, loop
+        gc.collect()
+    assert rang == [True]
+    s.synchronize()
+    after = _settled()  # the sweep
+    assert after["doorbells_fired"] == before["doorbells_fired"] + 1
+    assert after["doorbell_fds"] == before["doorbell_fds"]
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds
+    s.close()
+
+
 def test_a_late_fired_report_forgets_only_its_own_write_end() -> None:
     """A bell's host function closed write end N, and a new bell's pipe took
     the number before the old bell's FIRED report was applied: the report must
