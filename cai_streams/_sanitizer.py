@@ -364,7 +364,7 @@ class _State:
             join(known, self.library.get(actor, {}))
 
         def keep(a: Access) -> Access | None:
-            if _is_host(a) and a.until is not None and not _over(a):
+            if _lasts(a):
                 pass  # a read through a live view lasts: no ordering or hold ends it
             elif a.held or known.get(a.actor, 0) >= a.tick or (_is_host(a) and _over(a)):
                 return None
@@ -469,8 +469,18 @@ class _State:
         seen[actor] = tick
         for a in new:
             if a.kind == "write":
-                # every access it covers is ordered before it (or we raised)
-                self.shadows.assign(a.lo, a.hi, a)
+                # every access it covers is ordered before it (or we raised);
+                # a host read through a live view outlasts it (see freed)
+                if not any(
+                    _lasts(r)
+                    for g in self.shadows.overlapping(a.lo, a.hi)
+                    for r in g.reads.values()
+                ):
+                    self.shadows.assign(a.lo, a.hi, a)
+                    continue
+                for segment in self.shadows.cover(a.lo, a.hi):
+                    segment.write = a
+                    segment.reads = {k: r for k, r in segment.reads.items() if _lasts(r)}
                 continue
             for segment in self.shadows.cover(a.lo, a.hi):
                 reads = segment.reads
@@ -838,6 +848,12 @@ class _Watcher(Observer):
             _state.spans.pop((backend, graph, executable), None)
             if executable:
                 _state.launches.pop((backend, graph), None)
+
+
+def _lasts(a: Access) -> bool:
+    """Whether ``a`` is a host read through views of which one still lives:
+    no ordering, hold or later write ends it, only a free once they are gone."""
+    return a.until is not None and _is_host(a) and not _over(a)
 
 
 def _over(a: Access) -> bool:
