@@ -566,16 +566,26 @@ def _end_stream(
     listeners: Iterable[ClosingListener],
 ) -> None:
     """A collected owned stream: what listened records, then it is destroyed.
-    A failure is a warning saying what leaked."""
+    A failure is a warning (from a destructor, or a later library call)
+    saying what failed: the records (the stream is destroyed all the same),
+    or the destroy (the stream leaked)."""
     try:
         try:
             _tell_closing(listeners)
         finally:
             if lifetime is not None:
                 lifetime.close()
-            backend.destroy_stream(handle)
-    except Exception as exc:  # from a destructor, or a later library call
-        warnings.warn(f"leaked stream {handle:#x}: {exc}", CudaWarning, stacklevel=1)
+            try:
+                backend.destroy_stream(handle)
+            except Exception as exc:
+                warnings.warn(f"leaked stream {handle:#x}: {exc}", CudaWarning, stacklevel=1)
+    except Exception as exc:
+        warnings.warn(
+            f"stream {handle:#x} was collected, and recording the work enqueued on it "
+            f"for what listened failed (the stream is destroyed): {exc}",
+            CudaWarning,
+            stacklevel=1,
+        )
 
 
 #: streams this thread is handing, by handle, to a producer's ``__dlpack__``
