@@ -37,9 +37,10 @@ __all__ = ["Scheduler", "any_scheduler", "find_work", "scheduler_for", "schedule
 
 class _Spares:
     """Streams of one device that the library made for one use at a time,
-    kept for the next (at most ``MAX_SPARES``; beyond, closed once given back).
-    :meth:`take` hands out a kept one that a query finds idle, else a new one:
-    whoever takes it waits for its own work alone."""
+    kept for the next (at most ``MAX_SPARES``, as PyTorch keeps 32 side
+    streams per device; beyond, closed once given back). :meth:`take` hands
+    out a kept one that a query finds idle, asking at most ``SPARE_QUERIES``
+    of them, else a new one: whoever takes it waits for its own work alone."""
 
     def __init__(self, sched: Scheduler) -> None:
         self._sched = sched
@@ -54,9 +55,10 @@ class _Spares:
             return [s.handle for s in self._kept]
 
     def take(self) -> Stream:
-        """An idle stream. Does not block (a query per kept stream at most)."""
+        """An idle stream. Does not block (``SPARE_QUERIES`` queries at most:
+        the longest idle first, the busy ones go to the back)."""
         sched = self._sched
-        for _ in range(len(self._kept)):
+        for _ in range(min(len(self._kept), SPARE_QUERIES)):
             with sched.lock:
                 if not self._kept:
                     break
@@ -289,8 +291,11 @@ class Scheduler:
 #: graph capture (they are asked on every lookup otherwise: settle, raise)
 ORPHAN_PAUSE: Final = 0.005
 #: streams :meth:`Scheduler.landing` and :meth:`Scheduler.merging` each keep
-#: per device; beyond, they are closed once given back
-MAX_SPARES: Final = 8
+#: per device; beyond, they are closed once given back (merges on streams kept
+#: busy, by slow work of another library's, need one each)
+MAX_SPARES: Final = 32
+#: kept streams one take asks whether they are idle, at most (a query each)
+SPARE_QUERIES: Final = 8
 
 _schedulers: dict[tuple[Backend, int], Scheduler] = {}
 _schedulers_lock = threading.Lock()

@@ -14,6 +14,7 @@ data.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -585,3 +586,45 @@ def test_a_merge_whose_stream_cannot_be_made_keeps_both(monkeypatch: pytest.Monk
 
 def _no_stream(self: Any) -> cs.Stream:
     raise cs.CudaError(2, "cudaErrorMemoryAllocation", "out of memory (injected)")
+
+
+def test_merges_on_busy_streams_keep_their_spares_instead_of_making_one_each() -> None:
+    """Reads merged on 16 streams of another library, kept busy by slow work,
+    three rounds: the second and third merge each read with the one before
+    on a stream of the library's that must be idle (it then waits for both),
+    32 in all, as many as ``MAX_SPARES`` keeps: none is closed (with eight
+    kept, 24 of them were, each made for one merge)."""
+    from cai_streams import _scheduler
+
+    backend = cs.current_backend()
+    t = cs.track(sim.asarray(np.full(N, 5.0, np.float32)))
+    handles = [backend.create_stream() for _ in range(16)]
+    gate = threading.Event()
+    for h in handles:
+        sim.launch(h, lambda: gate.wait(20))
+    made: list[int] = []
+    destroyed: list[int] = []
+    create, destroy = type(backend).create_stream, type(backend).destroy_stream
+
+    def counted_create(self: Any, *args: Any) -> int:
+        made.append(create(self, *args))
+        return made[-1]
+
+    def counted_destroy(self: Any, handle: int) -> None:
+        destroyed.append(handle)
+        destroy(self, handle)
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(backend), "create_stream", counted_create)
+            mp.setattr(type(backend), "destroy_stream", counted_destroy)
+            for _ in range(3):
+                for h in handles:
+                    with t.reading(h):
+                        pass
+        assert len(made) <= _scheduler.MAX_SPARES and not destroyed, (len(made), len(destroyed))
+    finally:
+        gate.set()
+        for h in handles:
+            backend.synchronize_stream(h)
+            backend.destroy_stream(h)
