@@ -72,6 +72,7 @@ is one actor per host thread.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import threading
@@ -670,14 +671,24 @@ class _Watcher(Observer):
             actor = state.host()
             clock = state.clocks[actor]
             scopes = [state.scope_clock(obj) for obj in waited]
+            done: Clock = {}  # what the library found done for the buffer
             for key in events:
                 captured = state.events.get(key)
                 if captured is not None:
                     for c in scopes:  # the library may forget them now: it knows them done
                         join(c, captured)
-                    join(clock, captured)
+                    join(done, captured)
             for c in scopes:
-                join(clock, c)
+                join(done, c)
+            if kind == "ready":
+                # The data alone is ready: the writes to it that were found done
+                # are over for its readers. The thread is not ordered after the
+                # rest of their streams' work (no call of the user's waited for
+                # it): other buffers' writes there are still named, on every run.
+                for lo, hi in ranges:
+                    state.shadows.keep(lo, hi, functools.partial(_unless_done, done))
+            else:
+                join(clock, done)
             also: Clock | None = None
             stack = state.scope_stack()
             if stack:
@@ -848,6 +859,11 @@ class _Watcher(Observer):
             _state.spans.pop((backend, graph, executable), None)
             if executable:
                 _state.launches.pop((backend, graph), None)
+
+
+def _unless_done(done: Clock, a: Access) -> Access | None:
+    """``a``, unless it is a write that ``done`` covers."""
+    return None if a.kind == "write" and done.get(a.actor, 0) >= a.tick else a
 
 
 def _lasts(a: Access) -> bool:

@@ -997,6 +997,30 @@ def test_an_export_that_names_no_stream_orders_its_reader(pause: float) -> None:
     assert out.to_host(stream=1 if stream is None else stream)[0] == 1024.0
 
 
+@pytest.mark.parametrize("pause", [0.0, 0.2], ids=["pending at export", "done at export"])
+def test_an_export_that_names_no_stream_orders_no_other_buffer(pause: float) -> None:
+    """Another array written on the producer's stream before the tracked one,
+    read on the host with nothing in the program ordering it: named on every
+    run. (Once the export found the tracked write done and named None, the
+    whole thread was taken as ordered after the producer's stream, and the
+    read passed: a verdict that depended on the GPU's timing.)"""
+    import time
+
+    producer = cs.Stream()
+    other = sim.empty(1024, "float32")
+    buf = sim.empty(1024, "float32")
+    t = cs.track(buf)
+    w(producer, other, duration=0.05)
+    with t.writing(producer):
+        w(producer, buf)
+    time.sleep(pause)
+    stream = t.__cuda_array_interface__["stream"]
+    assert (stream is None) == (pause > 0)
+    with pytest.raises(cs.HazardError, match="to_host"):
+        other.to_host()
+    producer.synchronize()
+
+
 def test_the_legacy_stream_waits_for_a_gone_threads_per_thread_stream_after_a_sweep() -> None:
     """A worker thread writes on its per-thread stream (2) and ends; the
     sanitizer retires that stream (a sweep), and the legacy stream (1), which
