@@ -56,6 +56,57 @@ def extent(
     return (lo, hi + itemsize)
 
 
+#: a strided layout is declared as its contiguous runs of bytes up to this
+#: many runs; beyond, as the bytes between its first and last (see :func:`runs`)
+MAX_RUNS: Final = 1024
+
+
+def runs(
+    ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int
+) -> list[tuple[int, int]]:
+    """The bytes an array of this layout touches, as sorted disjoint runs
+    ``[lo, hi)``: the parts of a strided view (columns of a matrix, every
+    other element) do not touch the bytes between them. Beyond
+    :data:`MAX_RUNS` runs, or for elements that overlap, the one run of
+    :func:`extent` (which covers them all)."""
+    if len(shape) == 1 and strides[0] == itemsize:  # the common case, at once
+        return [(ptr, ptr + shape[0] * itemsize)] if shape[0] else []
+    if any(n == 0 for n in shape):
+        return []
+    base = ptr
+    dims = []
+    for n, st in zip(shape, strides, strict=True):
+        if n == 1 or st == 0:  # (one element, or the same ones again)
+            continue
+        if st < 0:  # the same bytes, walked the other way
+            base += (n - 1) * st
+            st = -st
+        dims.append((st, n))
+    dims.sort()
+    run = itemsize
+    i = 0
+    while i < len(dims) and dims[i][0] == run:  # contiguous: one run so far
+        run *= dims[i][1]
+        i += 1
+    outer = dims[i:]
+    count = 1
+    for _, n in outer:
+        count *= n
+    if count > MAX_RUNS or (outer and outer[0][0] < run):  # too many, or overlapping
+        return [extent(ptr, shape, strides, itemsize)]
+    starts = [base]
+    for st, n in outer:
+        starts = [s0 + k * st for s0 in starts for k in range(n)]
+    starts.sort()
+    merged: list[tuple[int, int]] = []
+    for lo in starts:
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], lo + run))
+        else:
+            merged.append((lo, lo + run))
+    return merged
+
+
 def byte_range(view: ArrayView) -> tuple[int, int]:
     """The bytes ``[lo, hi)`` that ``view`` can touch (empty for zero-size)."""
     return extent(view.ptr, view.shape, view.strides, view.dtype.itemsize)

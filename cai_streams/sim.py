@@ -29,7 +29,7 @@ from . import _backend, _observe, _sanitizer
 from ._backend import _instance
 from ._backend._sim import SimBackend, check_sim_seconds
 from ._dlpack_export import export_view
-from ._interface import ArrayView, byte_range, extent, parse
+from ._interface import ArrayView, byte_range, extent, parse, runs
 from ._stream import Stream, stream_handle_of
 
 __all__ = ["SimArray", "asarray", "device", "empty", "launch", "reset", "simulated"]
@@ -188,7 +188,7 @@ class SimArray:
 
         if _observe.active:
             _observe.stream_access(
-                backend, handle, reads=[_range(self)], writes=[], what="to_host() copy"
+                backend, handle, reads=_ranges(self), writes=[], what="to_host() copy"
             )
         backend.launch(handle, copy, "to_host", 0.0)
         backend.synchronize_stream(handle)
@@ -242,7 +242,7 @@ def asarray(
     host = np.asarray(array, dtype=dtype)
     out = empty(host.shape, host.dtype, device)
     if _observe.active:  # a host write: a block reused too early is named
-        _observe.host_access("write", [_range(out)], "sim.asarray() copy")
+        _observe.host_access("write", _ranges(out), "sim.asarray() copy")
     np.copyto(out._view, host)
     return out
 
@@ -331,8 +331,8 @@ def launch(
         _observe.stream_access(
             backend,
             handle,
-            reads=[_range(a) for a in reads],
-            writes=[_range(a) for a in writes],
+            reads=[r for a in reads for r in _ranges(a)],
+            writes=[r for a in writes for r in _ranges(a)],
             what=f"kernel {label!r}",
         )
     backend.launch(handle, kernel, label, duration or 0.0)
@@ -354,13 +354,15 @@ def _simulated_stream(stream: Stream | int | object, backend: SimBackend) -> int
     return handle
 
 
-def _range(obj: object) -> tuple[int, int]:
+def _ranges(obj: object) -> list[tuple[int, int]]:
+    """The bytes ``obj`` touches, as contiguous runs (a strided view's parts
+    leave the bytes between them alone: see ``_interface.runs``)."""
     if isinstance(obj, SimArray):  # the common case, without building an ArrayView
         v = obj._view
-        return extent(int(v.ctypes.data), v.shape, v.strides, v.itemsize)
+        return runs(int(v.ctypes.data), v.shape, v.strides, v.itemsize)
     view = _interface_of(obj)
     assert view is not None
-    return byte_range(view)
+    return runs(view.ptr, view.shape, view.strides, view.dtype.itemsize)
 
 
 def _kernel_arg(arg: object) -> object:

@@ -1,0 +1,112 @@
+"""Strided views are declared as the runs of bytes they touch.
+
+Disjoint parts of one array written on two streams (the columns of a matrix,
+the even and odd elements) are no hazard; parts that share bytes are. The
+runs are checked against the bytes numpy's own offsets say each view
+touches, for random slicings and transposes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cai_streams as cs
+from cai_streams import sim
+from cai_streams._interface import MAX_RUNS, extent, runs
+
+
+def _fill(x: np.ndarray[Any, Any], value: float) -> None:
+    x[...] = value
+
+
+@pytest.mark.parametrize(
+    "parts",
+    ["columns", "even and odd", "blocks side by side", "control: overlapping columns"],
+)
+def test_disjoint_strided_parts_on_two_streams_are_no_hazard(parts: str) -> None:
+    """Each part written on its own stream with no ordering between them: no
+    bytes are shared, so nothing is named (each part was taken as the bytes
+    from its first to its last, and the two were named a race). Control:
+    parts that share a column are named."""
+    a = sim.empty((32, 32), "float32")
+    if parts == "columns":
+        x, y = a[:, :16], a[:, 16:]
+    elif parts == "even and odd":
+        x, y = a[:, ::2], a[:, 1::2]
+    elif parts == "blocks side by side":
+        x, y = a[:16, :16], a[:16, 16:]
+    else:
+        x, y = a[:, :17], a[:, 16:]
+    s1, s2 = cs.Stream(), cs.Stream()
+    sim.launch(s1, _fill, x, 1.0, writes=[x], duration=0.01)
+    if parts.startswith("control"):
+        with pytest.raises(cs.HazardError, match="is not ordered after"):
+            sim.launch(s2, _fill, y, 2.0, writes=[y])
+        s1.synchronize()
+        return
+    sim.launch(s2, _fill, y, 2.0, writes=[y])
+    s1.synchronize()
+    s2.synchronize()
+    host = a.to_host()
+    assert (host[x_index(parts)] == 1.0).all()
+
+
+def x_index(parts: str) -> Any:
+    return {
+        "columns": np.s_[:, :16],
+        "even and odd": np.s_[:, ::2],
+        "blocks side by side": np.s_[:16, :16],
+    }[parts]
+
+
+def _touched(view: np.ndarray[Any, Any]) -> set[int]:
+    """Every byte ``view`` touches, from numpy's element addresses."""
+    base = np.zeros(1, dtype=np.intp)
+    offsets = base
+    for n, stride in zip(view.shape, view.strides, strict=True):
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.intp)[None, :] * stride).ravel()
+    start = view.__array_interface__["data"][0]
+    return {int(start + o + b) for o in offsets for b in range(view.itemsize)}
+
+
+_slices = st.tuples(st.integers(-12, 12), st.integers(-12, 12), st.sampled_from([1, 2, 3, -1, -2]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+    cuts=st.lists(_slices, min_size=3, max_size=3),
+    transpose=st.booleans(),
+    itemsize=st.sampled_from([1, 4, 8]),
+)
+def test_runs_are_the_bytes_a_view_touches(
+    shape: list[int], cuts: list[tuple[int, int, int]], transpose: bool, itemsize: int
+) -> None:
+    base = np.zeros(shape, dtype=f"u{itemsize}")
+    view = base[tuple(slice(a, b, c) for a, b, c in cuts[: len(shape)])]
+    if transpose:
+        view = view.T
+    ptr = view.__array_interface__["data"][0]
+    got = runs(ptr, view.shape, view.strides, view.itemsize)
+    touched = _touched(view) if view.size else set()
+    covered = {b for lo, hi in got for b in range(lo, hi)}
+    assert all(lo < hi for lo, hi in got)
+    assert all(a[1] < b[0] for a, b in zip(got, got[1:], strict=False))  # sorted, apart
+    if len(got) == 1 and got[0] == extent(ptr, view.shape, view.strides, view.itemsize):
+        assert touched <= covered  # (one run: exact, or the fallback that covers all)
+    else:
+        assert covered == touched
+    assert len(got) <= MAX_RUNS
+
+
+def test_too_many_runs_fall_back_to_the_whole_extent() -> None:
+    a = np.zeros(4 * MAX_RUNS, "float32")[::2]  # 2 * MAX_RUNS runs of 4 bytes
+    ptr = a.__array_interface__["data"][0]
+    assert runs(ptr, a.shape, a.strides, a.itemsize) == [
+        extent(ptr, a.shape, a.strides, a.itemsize)
+    ]
