@@ -16,6 +16,7 @@ from typing import NamedTuple
 import anyio
 
 from ._access import Access, Kind
+from ._errors import KernelError
 from ._identity import StreamId
 from ._poller import policy_sleep, poll_policy
 from ._running import current_task_id
@@ -92,8 +93,10 @@ class OpenBlock:
         self.owner = owner
         self.covered = covered  # what the block's write replaces at exit
         #: its record, made when its stream closed while it was open (nothing
-        #: can be enqueued there after): its exit adds this one (``_pending``)
-        self.at_close: Access | None = None
+        #: can be enqueued there after): its exit adds this one (``_pending``);
+        #: or the device's fault that made that record fail: its exit adds
+        #: nothing and raises it (none of the block's work runs)
+        self.at_close: Access | KernelError | None = None
         self.done = threading.Event()
 
     def conflicts(self, kind: Kind, disjoint: bool) -> bool:

@@ -33,7 +33,7 @@ from ._blocks import Blocked, OpenBlock, Owner
 from ._capture_guard import StreamPhase
 from ._config import settings
 from ._device import OnDevice, view_stream_id
-from ._errors import CudaError
+from ._errors import CudaError, KernelError
 from ._identity import Lifetime, StreamId, lifetime_of, order_known, stream_id_now
 from ._interface import ArrayView, byte_range, stream_of
 from ._stream import Stream
@@ -268,6 +268,8 @@ class PendingWork:
         for block in self.blocks:
             if block.owner == me and block.conflicts(kind, disjoint):
                 snapshot = block.at_close
+                if isinstance(snapshot, KernelError):  # (closed on a faulted device)
+                    raise snapshot
                 if snapshot is None:  # (a stream gone without it: ValueError)
                     snapshot = self._record_block(block)
                 if snapshot.state is not AccessState.RELEASED:  # (else complete, let go)
@@ -416,6 +418,9 @@ class PendingWork:
                 if block.at_close is None and lifetime is not None and lifetime.ending:
                     try:
                         block.at_close = self._record_block(block)
+                    except KernelError as exc:  # (the exit raises it too, adding nothing)
+                        block.at_close = exc
+                        errors.append(exc)
                     except Exception as exc:  # every other block records first
                         errors.append(exc)
             self._fence()
@@ -621,6 +626,8 @@ class PendingWork:
         whose consumer read its close recorded): nothing is added then."""
         try:
             new = block.at_close
+            if isinstance(new, KernelError):  # (its stream closed on a faulted device)
+                raise new
             if new is None:
                 if gone_ok and not block.stream._recordable:
                     return

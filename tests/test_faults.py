@@ -163,3 +163,30 @@ def test_a_consumer_stream_closed_on_a_faulted_device_leaves_its_array_writable_
     got = cs.consume_blocking(t, timeout=20)
     np.testing.assert_array_equal(sim._numpy_view(got), 2.0)
     del view
+
+
+@pytest.mark.parametrize("kind", ["writing", "reading"])
+def test_a_block_whose_stream_closed_on_a_faulted_device_raises_the_fault_at_exit(
+    kind: str,
+) -> None:
+    """The block's stream is closed inside it after a kernel faulted: the
+    close cannot record the block (every call raises), and the exit raises
+    the device's fault, adding nothing (it raised ``ValueError: this Stream
+    is closed``, recording on the destroyed stream). After a reset the array
+    works again."""
+    arr = sim.empty(N)
+    t = cs.track(arr)
+    tmp, culprit = cs.Stream(), cs.Stream()
+    with pytest.raises(cs.KernelError):
+        with getattr(t, kind)(tmp):
+            sim.launch(culprit, _boom)
+            with pytest.raises(cs.KernelError):
+                culprit.synchronize()
+            with pytest.raises(cs.KernelError):
+                tmp.close()
+    sim.reset(0)
+    s = cs.Stream()
+    with t.writing(s):
+        sim.launch(s, _fill, arr, 7.0, writes=[arr], duration=0.001)
+    got = cs.consume_blocking(t, timeout=20)
+    np.testing.assert_array_equal(sim._numpy_view(got), 7.0)
