@@ -32,7 +32,7 @@ from ._dlpack_export import export_view
 from ._interface import ArrayView, byte_range, extent, parse, runs
 from ._stream import Stream, stream_handle_of
 
-__all__ = ["SimArray", "asarray", "device", "empty", "launch", "reset", "simulated"]
+__all__ = ["SimArray", "asarray", "device", "empty", "host_view", "launch", "reset", "simulated"]
 
 
 def _simulator() -> SimBackend:
@@ -258,6 +258,21 @@ def _interface_of(obj: object) -> ArrayView | None:
     if not hasattr(obj, "__cuda_array_interface__"):
         return None
     return parse(obj)
+
+
+def host_view(obj: object) -> np.ndarray[Any, Any]:
+    """The simulated device memory behind ``obj`` as a numpy array, to read on
+    the host what a consume handed over: a ``SimArray``, a view ``consume``
+    returned, or any CUDA Array Interface in simulated memory. No copy: it
+    reads the memory as it is now, so order it first (``await cs.consume(obj)``,
+    ``consume_blocking``, a synchronize), as a GPU program reads a mapped
+    buffer; and keep ``obj`` (or the view's owner) alive while you use it, as a
+    device pointer does not. TypeError for an object with no interface,
+    ValueError for memory the simulator does not hold. Does not block."""
+    view = _numpy_view(obj)
+    if view is None:
+        raise TypeError(f"{type(obj).__name__} has no __cuda_array_interface__")
+    return view
 
 
 def _numpy_view(obj: object) -> np.ndarray[Any, Any] | None:

@@ -75,7 +75,7 @@ class Pipeline:
             sim.launch(s, lambda a: a.fill(value), self.x.array, writes=[self.x.array])
         graph.launch(s)  # only enqueues
         view = await cs.consume(self.out, timeout=30)  # waits for the launch
-        return bool((np.asarray(sim._numpy_view(view)) == 2 * value + 1).all())
+        return bool((sim.host_view(view) == 2 * value + 1).all())
 
 
 async def serve(requests: int, batches: int) -> dict[str, Any]:
@@ -92,7 +92,7 @@ async def serve(requests: int, batches: int) -> dict[str, Any]:
         out.stream = s.handle
         sim.launch(s, lambda a: a.fill(request), out, writes=[out], duration=rng.uniform(0, 0.004))
         view = await cs.consume(out, timeout=30)
-        wrong += not (np.asarray(sim._numpy_view(view)) == request).all()
+        wrong += not (sim.host_view(view) == request).all()
         served += 1
 
     async def requests_over_time() -> None:

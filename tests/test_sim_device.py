@@ -539,3 +539,18 @@ def test_a_record_whose_capture_ends_as_it_is_made_lands_on_the_stream(
         assert backend.query(event)
     finally:
         backend.destroy_event(event)
+
+
+def test_host_view_reads_what_a_consume_handed_over() -> None:
+    """``sim.host_view`` is the public way to read a consumed view on the
+    host (the examples used the private helper): the memory itself, no copy."""
+    s = cs.Stream()
+    out = sim.empty(8, "float32")
+    out.stream = s.handle
+    sim.launch(s, lambda x: x.fill(3.0), out, writes=[out], duration=0.01)
+    view = cs.consume_blocking(out, timeout=20)
+    got = sim.host_view(view)
+    np.testing.assert_array_equal(got, 3.0)
+    assert np.shares_memory(got, sim.host_view(out))  # (the same memory, not a copy)
+    with pytest.raises(TypeError, match="no __cuda_array_interface__"):
+        sim.host_view(object())
