@@ -772,9 +772,10 @@ def consume_blocking(
         raise
     try:
         if handoff.events:  # complete work (the common case) has nothing to wait for
-            events = [e for e, _ in handoff.events]
             left = None if timeout is None else max(0.0, deadline - time.monotonic())
-            wait_blocking(handoff.sched.backend, events, timeout=left, keepalive=obj, given=timeout)
+            wait_blocking(
+                handoff.sched.backend, handoff.events, timeout=left, keepalive=obj, given=timeout
+            )
     except BaseException as exc:  # a kept traceback must not keep the view's owner
         handoff.finish(complete=False)
         release_frames(exc)

@@ -661,7 +661,7 @@ async def wait_for_events(
 
             if not await finished_within(timeout, until_done):
                 said = timeout if given is None else given
-                raise TimeoutError(f"GPU work not complete after {said} s")
+                raise TimeoutError(f"GPU work not complete after {said} s{_late(box[0])}")
     except BaseException:
         keepalive = None  # a kept traceback keeps this frame, not what it kept
         raise
@@ -749,7 +749,7 @@ async def wait_for_event(
 
 def wait_blocking(
     backend: Backend,
-    events: Sequence[int],
+    events: Sequence[tuple[int, Mark | None]],
     *,
     timeout: float | None,
     keepalive: object = None,
@@ -767,22 +767,33 @@ def wait_blocking(
     del keepalive
 
 
+def _late(pending: Sequence[tuple[int, Mark | None]]) -> str:
+    """Which streams the work still pending at a timeout was enqueued on."""
+    streams = dict.fromkeys(
+        mark.key.describe() if mark is not None else "a stream not known" for _, mark in pending
+    )
+    return f": still pending on {', '.join(streams)}" if streams else ""
+
+
 def _wait_blocking(
-    backend: Backend, events: Sequence[int], timeout: float | None, given: float | None
+    backend: Backend,
+    events: Sequence[tuple[int, Mark | None]],
+    timeout: float | None,
+    given: float | None,
 ) -> None:
     forever = timeout is None or math.isinf(timeout)
     if forever and len(events) == 1:
-        backend.synchronize_event(events[0])
+        backend.synchronize_event(events[0][0])
         return
     deadline = math.inf if timeout is None else time.monotonic() + timeout
     delay = 0.00005
     pending = list(events)
     while True:  # each pass asks every pending event: a fault on one device (the
-        pending = [event for event in pending if not backend.query(event)]  # others' still
+        pending = [e for e in pending if not backend.query(e[0])]  # others' still
         if not pending:  # pending) is heard at once, not after the events before it
             return
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"GPU work not complete after {given} s")
+            raise TimeoutError(f"GPU work not complete after {given} s{_late(pending)}")
         time.sleep(min(delay, left))
         delay = min(0.001, delay * 2)

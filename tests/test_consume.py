@@ -275,7 +275,8 @@ async def test_a_timeout_names_the_callers_timeout_not_what_was_left(
 ) -> None:
     """Part of the timeout goes to waiting for another thread's ``writing()``
     block; the TimeoutError still names the timeout the caller gave (it named
-    what was left for the GPU wait: "after 0.19 s" for ``timeout=0.3``)."""
+    what was left for the GPU wait: "after 0.19 s" for ``timeout=0.3``), and
+    the stream whose work was late."""
     s = cs.Stream()
     t = cs.track(ops.array(np.zeros(8, "float32")))
     latch = ops.latch(s)
@@ -308,7 +309,8 @@ async def test_a_timeout_names_the_callers_timeout_not_what_was_left(
             with pytest.raises(TimeoutError) as info:
                 await cs.consume(t, timeout=0.3)
             error = info.value
-        assert str(error) == "GPU work not complete after 0.3 s", str(error)
+        expected = f"GPU work not complete after 0.3 s: still pending on stream {s.handle:#x}"
+        assert str(error) == expected, str(error)
     finally:
         th.join(10)
         latch.release()
