@@ -6,7 +6,8 @@ seen, by wrapping the Python-level calls while the sanitizer is on (and only
 then): ``Thread.start`` / ``Thread.join``, ``queue.Queue`` ``put`` / ``get``
 (and its subclasses), ``concurrent.futures`` (``submit`` into a thread pool,
 ``set_result`` / ``result``), ``threading.Event`` ``set`` / ``wait``,
-``threading.Condition`` ``notify`` / ``wait``, ``asyncio.to_thread``,
+``threading.Condition`` ``notify`` / ``wait``, ``asyncio.to_thread``, an
+asyncio loop's ``call_soon_threadsafe`` (and so ``run_coroutine_threadsafe``),
 ``anyio.to_thread.run_sync`` and ``trio.to_thread.run_sync`` (called through
 their modules). ``threading.Lock`` and ``RLock`` are C types whose methods
 cannot be wrapped: ``_sanitizer_locks`` makes seen ones instead. A function
@@ -174,6 +175,21 @@ def install(h: Handoffs) -> None:
 
         return wrapped
 
+    def soon(real: Any) -> Any:  # a thread hands a callback to an event loop's thread
+        def wrapped(
+            self: Any, callback: Callable[..., Any], *args: Any, context: Any = None
+        ) -> Any:
+            there = Token()
+            _tell(h.before, there)
+
+            def run(*a: Any) -> Any:
+                _tell(h.after, there)
+                return callback(*a)
+
+            return real(self, run, *args, context=context)
+
+        return wrapped
+
     _patch(threading.Thread, "start", start)
     _patch(threading.Thread, "join", join)
     _patch(queue.Queue, "put", giving)
@@ -187,6 +203,7 @@ def install(h: Handoffs) -> None:
     _patch(concurrent.futures.Future, "result", resulting)
     _patch(concurrent.futures.Future, "exception", resulting)
     _patch(concurrent.futures.ThreadPoolExecutor, "submit", submit)
+    _patch(asyncio.BaseEventLoop, "call_soon_threadsafe", soon)
     _patch(asyncio, "to_thread", lambda real: _to_thread(h, real, keywords_to_func=True))
     for name in ("anyio.to_thread", "trio.to_thread"):
         module = sys.modules.get(name)

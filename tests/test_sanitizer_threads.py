@@ -187,6 +187,28 @@ def _via_asyncio_to_thread(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]
     return asyncio.run(main())
 
 
+def _via_call_soon_threadsafe(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
+    """A plain thread resolves a future the loop awaits, through the loop's
+    ``call_soon_threadsafe`` (the usual way out of a callback thread)."""
+
+    async def main() -> np.ndarray[Any, Any]:
+        loop = asyncio.get_running_loop()
+        handed: asyncio.Future[None] = loop.create_future()
+
+        def handoff() -> None:
+            loop.call_soon_threadsafe(handed.set_result, None)
+
+        th = threading.Thread(target=_producer(x, early), args=(handoff,))
+        th.start()
+        try:
+            await asyncio.wait_for(handed, 10)
+            return x.to_host()
+        finally:
+            th.join()
+
+    return asyncio.run(main())
+
+
 def _via_anyio_to_thread(backend: str) -> Callable[[sim.SimArray, bool], np.ndarray[Any, Any]]:
     def run(x: sim.SimArray, early: bool) -> np.ndarray[Any, Any]:
         async def main() -> np.ndarray[Any, Any]:
@@ -299,6 +321,7 @@ HANDOFFS: dict[str, Callable[[sim.SimArray, bool], np.ndarray[Any, Any]]] = {
     "Thread.join": _via_join,
     "concurrent.futures": _via_futures,
     "asyncio.to_thread": _via_asyncio_to_thread,
+    "loop.call_soon_threadsafe": _via_call_soon_threadsafe,
     "anyio.to_thread (asyncio)": _via_anyio_to_thread("asyncio"),
     "anyio.to_thread (trio)": _via_anyio_to_thread("trio"),
     "happens_before/after": _via_tokens,
