@@ -89,6 +89,14 @@ def _gpu_fix(first: Access, second: Access) -> str:
             "non-blocking streams: synchronize the writer first, or copy on it with "
             "`x.to_host(stream=s)`"
         )
+    if _is_host(second) and second.what.startswith("consume"):
+        return (
+            "the consume did not know of that work: the interface it read named no stream "
+            "where it is pending, and no `writing()` block of a tracked array covered it (a "
+            "slice of a tracked array is another array): consume the tracked array or "
+            "`t.view`, write a tracked array inside `with t.writing(s)`, or make the "
+            "interface name the stream that writes it"
+        )
     if _is_host(second):
         return (
             "wait on the host before touching the data: `await cs.consume(arr)`, "

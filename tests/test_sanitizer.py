@@ -1217,3 +1217,18 @@ def test_a_view_consumed_again_and_again_is_one_view_of_its_read() -> None:
         for r in seg.reads.values()
     ]
     assert [len(r.until or ()) for r in reads] == [1]
+
+
+def test_a_consume_that_did_not_know_of_the_work_says_so() -> None:
+    """A slice of a tracked array is another, untracked array, whose interface
+    names no stream: its consume does not wait for the tracked write, and the
+    sanitizer names the host's read. The fix says why (it advised the very
+    ``consume`` call that raised)."""
+    s = cs.Stream()
+    a = sim.empty(100, "float32")
+    t = cs.track(a)
+    with t.writing(s):
+        w(s, a, duration=0.05)
+    with pytest.raises(cs.HazardError, match="the consume did not know of that work"):
+        cs.consume_blocking(a[0:10], timeout=5)
+    s.synchronize()
