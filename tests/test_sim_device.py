@@ -554,3 +554,25 @@ def test_host_view_reads_what_a_consume_handed_over() -> None:
     assert np.shares_memory(got, sim.host_view(out))  # (the same memory, not a copy)
     with pytest.raises(TypeError, match="no __cuda_array_interface__"):
         sim.host_view(object())
+
+
+def test_a_kernel_running_when_another_faults_is_aborted_with_it() -> None:
+    """A kernel still running (its duration not over) when a kernel of another
+    stream faults is aborted with the device's work, as a GPU's context is torn
+    down: its body never runs, neither during the fault nor after a reset (it
+    wrote its data after the reset, into what the library had let go by then).
+    Control: with no fault, the same kernel writes."""
+    ops = SimOps()
+    for fault in (False, True):
+        slow, culprit = cs.Stream(), cs.Stream()
+        x = ops.array(np.zeros(2, np.float32))
+        with cs.sanitize(False):
+            sim.launch(slow, lambda a: a.fill(9.0), x, writes=[x], duration=0.3)
+        time.sleep(0.05)  # (it is running)
+        if fault:
+            ops.fail(culprit)
+            with pytest.raises(cs.KernelError):
+                culprit.synchronize()
+            sim.reset()
+        time.sleep(0.4)  # (past its end)
+        np.testing.assert_array_equal(sim.host_view(x), 9.0 if not fault else 0.0)

@@ -351,6 +351,8 @@ class SimStream:
             delay += self._rng.uniform(0.0, jitter)
         if delay > 0:
             time.sleep(delay)
+            if device.fault is not None or epoch != device.epoch:
+                return  # it was running when another kernel faulted: aborted with it
         try:
             fn()
         except BaseException as exc:  # noqa: BLE001 - a kernel failure is data, not a crash
