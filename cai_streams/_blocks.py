@@ -14,6 +14,7 @@ import time
 from typing import NamedTuple
 
 import anyio
+import anyio.lowlevel
 
 from ._access import Access, Kind
 from ._errors import KernelError
@@ -147,6 +148,9 @@ async def wait_block_async(block: OpenBlock, deadline: float | None) -> None:
         if deadline is not None:
             left = deadline - anyio.current_time()
             if left <= 0:
+                # a cancel scope around the caller that expired with it (due,
+                # its timer not run yet) catches it: one more turn of the loop
+                await anyio.lowlevel.checkpoint()
                 holder = (
                     "another task's"
                     if block.owner[0] == threading.get_ident()

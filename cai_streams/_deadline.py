@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import sniffio
 
 __all__ = ["finished_within"]
@@ -26,8 +27,10 @@ _asyncio_timeout: Any = getattr(asyncio, "timeout", None)  # (3.11 and later)
 
 async def finished_within(seconds: float, fn: Callable[[], Awaitable[object]]) -> bool:
     """Await ``fn()``; False if ``seconds`` passed first (``fn()`` was then
-    cancelled). An exception of ``fn()`` propagates, a ``TimeoutError`` of its
-    own included. Yields to the event loop."""
+    cancelled), unless a cancel scope around the caller expired too: then that
+    cancellation is raised, for the caller's scope to catch. An exception of
+    ``fn()`` propagates, a ``TimeoutError`` of its own included. Yields to the
+    event loop."""
     if _asyncio_timeout is not None and sniffio.current_async_library() == "asyncio":
         scope = _asyncio_timeout(seconds)
         try:
@@ -36,8 +39,18 @@ async def finished_within(seconds: float, fn: Callable[[], Awaitable[object]]) -
         except TimeoutError:
             if not scope.expired():
                 raise
-            return False  # (raised again by the caller, outside this handler)
-        return True
+        else:
+            return True
+        # A cancel scope around the caller that expired too, in the same loop
+        # turn (its cancellation held back: the task was being cancelled) or
+        # due but not yet run, goes in at one more turn of the loop, and the
+        # caller's scope catches it. (The caller raises its TimeoutError
+        # outside this handler: nothing chained.)
+        await anyio.lowlevel.checkpoint()
+        return False
     with anyio.move_on_after(seconds) as cancel:
         await fn()
-    return not cancel.cancelled_caught
+    if cancel.cancelled_caught:
+        await anyio.lowlevel.checkpoint()  # (as above: a scope of the caller's)
+        return False
+    return True

@@ -833,3 +833,48 @@ async def test_each_row_of_the_mode_table(ops: DeviceOps, row: Mode) -> None:
         latch.release()
     for s in (p, c, w):
         s.synchronize()
+
+
+@pytest.mark.parametrize("behind", ["a latched kernel", "another thread's block"])
+async def test_a_scope_around_a_consume_that_expires_with_its_timeout_catches_it(
+    ops: DeviceOps, behind: str
+) -> None:
+    """The caller's ``move_on_after`` and the consume's ``timeout`` expire in
+    the same loop turn, a hundred times: the caller's scope catches it every
+    time, as under trio (under asyncio, the consume's ``TimeoutError``
+    escaped the scope about one time in twenty)."""
+    if ops.name != "sim":
+        pytest.skip("the sim's latch: a hundred 10 ms waits")
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(8, "float32")))
+    opened, end = threading.Event(), threading.Event()
+    latch = ops.latch(s)
+    if behind == "a latched kernel":
+        with t.writing(s):
+            ops.fill(s, t.array, 1.0)
+        th = None
+    else:
+
+        def writer() -> None:
+            with t.writing(s):
+                opened.set()
+                end.wait(20)
+
+        th = threading.Thread(target=writer)
+        th.start()
+        assert opened.wait(10)
+    escaped = 0
+    try:
+        for _ in range(100):
+            try:
+                with anyio.move_on_after(0.01):
+                    await cs.consume(t, timeout=0.01)
+            except TimeoutError:
+                escaped += 1
+    finally:
+        end.set()
+        latch.release()
+        if th is not None:
+            th.join(10)
+    s.synchronize()
+    assert escaped == 0
