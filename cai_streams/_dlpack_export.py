@@ -295,7 +295,9 @@ def export_view(
     # None, 1 and 2 name the default streams of the array's device, whichever
     # is current (a consumer computes them for the device __dlpack_device__
     # gave: torch.from_dlpack does not switch to it)
-    default = LEGACY_DEFAULT_STREAM if stream is None else stream if type(stream) is int else 0
+    default = LEGACY_DEFAULT_STREAM if stream is None else 0
+    if isinstance(stream, int) and not isinstance(stream, bool):  # (an IntEnum too)
+        default = int(stream)
     with OnDevice(backend, device, default):
         consumer = consumer_stream(stream, backend)
         if consumer is not None:

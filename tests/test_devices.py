@@ -10,6 +10,7 @@ one (``CAI_STREAMS_SIM_DEVICES=1``, a one-GPU machine).
 
 from __future__ import annotations
 
+import enum
 import gc
 import threading
 from collections.abc import Callable
@@ -480,7 +481,15 @@ def test_stats_count_every_devices_events(ops: DeviceOps) -> None:
     assert _settled(s1, other) == base
 
 
-@pytest.mark.parametrize("stream", [1, None, 2, -1], ids=["1", "None", "2", "control-minus-1"])
+class _Handle(enum.IntEnum):
+    LEGACY = 1
+
+
+@pytest.mark.parametrize(
+    "stream",
+    [1, None, 2, _Handle.LEGACY, -1],
+    ids=["1", "None", "2", "IntEnum 1", "control-minus-1"],
+)
 @pytest.mark.parametrize("tracked", [True, False], ids=["tracked", "untracked"])
 def test_dlpack_default_streams_are_the_arrays_devices_whichever_is_current(
     ops: DeviceOps, tracked: bool, stream: int | None
@@ -506,7 +515,7 @@ def test_dlpack_default_streams_are_the_arrays_devices_whichever_is_current(
     try:
         with cs.sanitize(stream != -1), on_device(1):  # the control races on purpose
             capsule = obj.__dlpack__(stream=stream)
-        consumer = cs.Stream.wrap(1 if stream is None else abs(stream))
+        consumer = cs.Stream.wrap(1 if stream is None else abs(int(stream)))
         ops.copy(consumer, out, arr)
         waited = held(consumer)
     finally:
