@@ -24,6 +24,7 @@ def _fill(x: np.ndarray[Any, Any], value: float) -> None:
     x[...] = value
 
 
+@pytest.mark.cai_sim
 @pytest.mark.parametrize(
     "parts",
     ["columns", "even and odd", "blocks side by side", "control: overlapping columns"],
