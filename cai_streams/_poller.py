@@ -55,6 +55,7 @@ from ._doorbell import (
 from ._events import Mark
 from ._identity import StreamId, order_known
 from ._observe import saw_complete
+from ._sanitizer_threads import unseen
 
 __all__ = ["PollPolicy", "poll_policy", "set_poll_policy", "wait_for_event", "wait_for_events"]
 
@@ -181,7 +182,7 @@ def _soon_in(loop_ref: weakref.ref[asyncio.AbstractEventLoop], fn: Callable[[], 
     loop = loop_ref()
     if loop is None:
         raise RuntimeError("the event loop is gone")
-    loop.call_soon_threadsafe(fn)
+    unseen(loop.call_soon_threadsafe, fn)  # (no handoff of the user's, for the sanitizer)
 
 
 def _soon_in_trio(token_ref: weakref.ref[Any], fn: Callable[[], object]) -> None:

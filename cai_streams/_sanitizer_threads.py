@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import anyio.to_thread  # noqa: F401 - whole before install() wraps its run_sync
 
-__all__ = ["Handoffs", "Token", "install", "registered", "uninstall"]
+__all__ = ["Handoffs", "Token", "install", "registered", "uninstall", "unseen"]
 
 
 class Token:
@@ -75,6 +75,17 @@ def _tell(report: Callable[[Any], None], arg: Any) -> None:
         report(arg)
     finally:
         _local.busy = False
+
+
+def unseen(fn: Callable[..., object], *args: Any) -> object:
+    """``fn(*args)``, whose use of a wrapped primitive is the library's own
+    (a poll policy change waking a loop): no handoff of the user's."""
+    previous = getattr(_local, "busy", False)
+    _local.busy = True
+    try:
+        return fn(*args)
+    finally:
+        _local.busy = previous
 
 
 def _patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -179,14 +190,14 @@ def install(h: Handoffs) -> None:
         def wrapped(
             self: Any, callback: Callable[..., Any], *args: Any, context: Any = None
         ) -> Any:
+            if getattr(_local, "busy", False):  # (the library's own: see unseen)
+                return real(self, callback, *args, context=context)
             there = Token()
             _tell(h.before, there)
-
-            def run(*a: Any) -> Any:
-                _tell(h.after, there)
-                return callback(*a)
-
-            return real(self, run, *args, context=context)
+            # the receipt runs just before the callback (the loop runs them in
+            # order), which asyncio gets as given: its checks, its reports
+            real(self, _tell, h.after, there)
+            return real(self, callback, *args, context=context)
 
         return wrapped
 

@@ -584,3 +584,64 @@ def test_a_to_thread_module_another_thread_is_still_importing_is_left_alone(
         with cs.sanitize():
             assert cs.sanitizing()
         assert not hasattr(half, "run_sync")
+
+
+def test_call_soon_threadsafe_leaves_the_callback_as_given() -> None:
+    """The sanitizer's wrapper hands asyncio the callback itself: debug mode
+    still refuses a coroutine function, and an error names the callback (it
+    handed a wrapper of its own, which asyncio accepted and reported)."""
+
+    async def job() -> None:
+        pass
+
+    async def main() -> str:
+        loop = asyncio.get_running_loop()
+        got: list[str] = []
+
+        def other() -> None:
+            try:
+                loop.call_soon_threadsafe(job)
+                got.append("accepted")
+            except TypeError as exc:
+                got.append(str(exc))
+
+        th = threading.Thread(target=other)
+        th.start()
+        th.join(10)
+        return got[0]
+
+    assert "coroutines cannot be used" in asyncio.run(main(), debug=True)
+
+
+def test_a_poll_policy_change_from_another_thread_is_no_handoff() -> None:
+    """``cs.configure(poll=...)`` wakes the loops through their
+    ``call_soon_threadsafe``: the library's own call, which orders nothing of
+    the calling thread before the loop's later work (it was taken for a
+    handoff, and the loop's unordered write after the thread's read passed)."""
+    import time
+
+    async def main() -> None:
+        buf = zeros()
+        warm = cs.track(zeros())
+        ws = cs.Stream()
+        with warm.writing(ws):
+            write(ws, warm.array, duration=0.02)
+        await cs.consume(warm, timeout=10)  # (the loop's poller is bound now)
+
+        def reader() -> None:  # started now: ordered after the above only
+            time.sleep(0.05)
+            buf.to_host()
+            cs.configure(poll=cs.PollPolicy())  # a library call, not a handoff
+
+        th = threading.Thread(target=reader)
+        th.start()
+        await asyncio.sleep(0.3)  # (timing only)
+        p = cs.Stream()
+        try:
+            with pytest.raises(cs.HazardError, match="is not ordered after"):
+                write(p, buf)
+        finally:
+            th.join(10)
+            p.synchronize()
+
+    asyncio.run(main())
