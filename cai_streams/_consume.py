@@ -77,7 +77,7 @@ from ._events import EventPool, Mark, pool_for, record
 from ._hold import ViewLease, hold_view_owner, view_done
 from ._hold_table import tick as release_holds
 from ._identity import StreamId, is_open
-from ._interface import ArrayView, byte_range, parse, parse_read
+from ._interface import ArrayView, byte_runs, parse, parse_read
 from ._pending import PendingWork
 from ._poller import check_timeout, wait_blocking, wait_for_events
 from ._running import checkpoint
@@ -177,7 +177,7 @@ class _Handoff:
             backend = self.sched.backend
             _observe.host_access(
                 "read",
-                [byte_range(self.view)],
+                byte_runs(self.view),
                 "consume(): the host's read",
                 waited=[waited],
                 events=[(backend, event) for event, _ in self.events],

@@ -35,7 +35,7 @@ from ._config import settings
 from ._device import OnDevice, view_stream_id
 from ._errors import CudaError, KernelError
 from ._identity import Lifetime, StreamId, lifetime_of, order_known, stream_id_now
-from ._interface import ArrayView, byte_range, stream_of
+from ._interface import ArrayView, byte_runs, stream_of
 from ._stream import Stream
 
 __all__ = ["MAX_OPEN_READS", "PendingWork"]
@@ -543,7 +543,7 @@ class PendingWork:
     def _declare_stream_read(self, stream: Stream, what: str) -> None:
         if _observe.active:
             _observe.stream_access(
-                self.backend, stream.handle, reads=[byte_range(self.layout)], writes=(), what=what
+                self.backend, stream.handle, reads=byte_runs(self.layout), writes=(), what=what
             )
 
     # -- writing() / reading() blocks -----------------------------------------
@@ -577,7 +577,7 @@ class PendingWork:
             if kind is Kind.WRITE and not disjoint:
                 covered = [a for a in conflicting if a.state is not AccessState.RELEASED]
             if _observe.active and not disjoint:  # a disjoint block does not say which part
-                rng = [byte_range(self.layout)]
+                rng = byte_runs(self.layout)
                 _observe.stream_access(
                     self.backend,
                     stream.handle,
@@ -701,7 +701,7 @@ class PendingWork:
                 if _observe.active:  # stream None says "ready now, anywhere": checked so,
                     _observe.host_access(  # but not kept as a read; the consumer's own
                         "ready",  # reads are declared where they are enqueued. Its thread
-                        [byte_range(self.layout)],  # is ordered after what was found done
+                        byte_runs(self.layout),  # is ordered after what was found done
                         "export() with nothing pending: stream None",
                         waited=[self],
                     )

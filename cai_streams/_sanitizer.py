@@ -682,11 +682,15 @@ class _Watcher(Observer):
                 join(done, c)
             if kind == "ready":
                 # The data alone is ready: the writes to it that were found done
-                # are over for its readers. The thread is not ordered after the
-                # rest of their streams' work (no call of the user's waited for
-                # it): other buffers' writes there are still named, on every run.
+                # are vouched for by this thread, now (what is ordered after it
+                # may read them; another thread is still checked against them).
+                # The thread is not ordered after the rest of their streams'
+                # work (no call of the user's waited for it): other buffers'
+                # writes there are still named, on every run.
+                tick = clock[actor] = clock.get(actor, 0) + 1
+                vouch = functools.partial(_vouched, done, actor, tick)
                 for lo, hi in ranges:
-                    state.shadows.keep(lo, hi, functools.partial(_unless_done, done))
+                    state.shadows.keep(lo, hi, vouch)
             else:
                 join(clock, done)
             also: Clock | None = None
@@ -861,9 +865,13 @@ class _Watcher(Observer):
                 _state.launches.pop((backend, graph), None)
 
 
-def _unless_done(done: Clock, a: Access) -> Access | None:
-    """``a``, unless it is a write that ``done`` covers."""
-    return None if a.kind == "write" and done.get(a.actor, 0) >= a.tick else a
+def _vouched(done: Clock, actor: Actor, tick: int, a: Access) -> Access:
+    """``a``, or, if it is a write that ``done`` covers, the same write as
+    ``actor`` vouches for it at ``tick`` (an export that found it done)."""
+    if a.kind != "write" or done.get(a.actor, 0) < a.tick:
+        return a
+    what = f"{a.what}, which an export naming no stream found done"
+    return dataclasses.replace(a, actor=actor, tick=tick, what=what)
 
 
 def _lasts(a: Access) -> bool:

@@ -26,7 +26,7 @@ from ._events import pool_for, pools_of, record_asked, registered
 from ._hold_table import table as holds
 from ._hold_table import tick as release_holds
 from ._identity import StreamId, stream_id_now, thread_serial
-from ._interface import ArrayView, byte_range
+from ._interface import ArrayView, byte_runs
 from ._pending import PendingWork
 from ._poller import counters as poll_counters
 from ._poller import sweep_pollers
@@ -194,7 +194,7 @@ class Scheduler:
         """Tell the sanitizer that work enqueued on ``s`` from now reads ``view``."""
         if _observe.active:
             _observe.stream_access(
-                self.backend, s.handle, reads=[byte_range(view)], writes=(), what=what
+                self.backend, s.handle, reads=byte_runs(view), writes=(), what=what
             )
 
     def work_of(self, obj: object) -> PendingWork | None:

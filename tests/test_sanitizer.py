@@ -1021,6 +1021,38 @@ def test_an_export_that_names_no_stream_orders_no_other_buffer(pause: float) -> 
     producer.synchronize()
 
 
+@pytest.mark.parametrize("pause", [0.0, 0.3], ids=["pending at export", "done at export"])
+def test_an_export_that_names_no_stream_vouches_only_for_its_own_thread(pause: float) -> None:
+    """A thread started before the producer's write (ordered after nothing of
+    it) writes the same array later: named on every run. (An export that
+    found the write done forgot it for every thread, and the write passed.)"""
+    import time
+
+    producer, other = cs.Stream(), cs.Stream()
+    buf = sim.empty(1024, "float32")
+    errors: list[Exception] = []
+
+    def writer() -> None:
+        time.sleep(0.6)  # (a sleep: no handoff the sanitizer sees)
+        try:
+            w(other, buf)
+        except cs.HazardError as exc:
+            errors.append(exc)
+
+    th = threading.Thread(target=writer)
+    th.start()
+    t = cs.track(buf)
+    with t.writing(producer):
+        w(producer, buf, duration=0.05)
+    time.sleep(pause)
+    stream = t.__cuda_array_interface__["stream"]
+    assert (stream is None) == (pause > 0)
+    th.join(10)
+    producer.synchronize()
+    other.synchronize()
+    assert len(errors) == 1 and "is not ordered after" in str(errors[0])
+
+
 def test_the_legacy_stream_waits_for_a_gone_threads_per_thread_stream_after_a_sweep() -> None:
     """A worker thread writes on its per-thread stream (2) and ends; the
     sanitizer retires that stream (a sweep), and the legacy stream (1), which

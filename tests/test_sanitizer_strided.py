@@ -111,3 +111,49 @@ def test_too_many_runs_fall_back_to_the_whole_extent() -> None:
     assert runs(ptr, a.shape, a.strides, a.itemsize) == [
         extent(ptr, a.shape, a.strides, a.itemsize)
     ]
+
+
+@pytest.mark.cai_sim
+@pytest.mark.parametrize("how", ["writing() block", "consume to the host", "consume onto a stream"])
+def test_the_librarys_own_declarations_of_a_strided_part_are_its_runs(how: str) -> None:
+    """The right half of a matrix, handed through the library while a kernel
+    on another stream still writes the left half: no byte is shared, so
+    nothing is named (the library declared the part's whole extent, which
+    takes in the left half's rows)."""
+    a = sim.empty((32, 32), "float32")
+    left, right = a[:, :16], a[:, 16:]
+    s1, s2 = cs.Stream(), cs.Stream()
+    sim.launch(s1, _fill, left, 1.0, writes=[left], duration=0.02)
+    if how == "writing() block":
+        t = cs.track(right)
+        with t.writing(s2):
+            sim.launch(s2, _fill, right, 2.0, writes=[right])
+    elif how == "consume to the host":
+        cs.consume_blocking(right, timeout=10)
+    else:
+        cs.consume_blocking(right, stream=s2, timeout=10)
+    s1.synchronize()
+    s2.synchronize()
+
+
+@pytest.mark.cai_sim
+@pytest.mark.parametrize("pause", [0.0, 0.3], ids=["pending at export", "done at export"])
+def test_an_export_of_a_strided_part_vouches_for_its_runs_only(pause: float) -> None:
+    """The even elements are tracked and exported; the odd ones, written
+    earlier on the producer's stream, are read on the host with nothing
+    ordering the read: named on every run (an export that found the even
+    elements' write done vouched for their whole extent, odd ones included)."""
+    import time
+
+    producer = cs.Stream()
+    base = sim.empty(2048, "float32")
+    even, odd = base[::2], base[1:-1:2]
+    sim.launch(producer, _fill, odd, 2.0, writes=[odd], duration=0.05)
+    t = cs.track(even)
+    with t.writing(producer):
+        sim.launch(producer, _fill, even, 1.0, writes=[even])
+    time.sleep(pause)
+    assert (t.__cuda_array_interface__["stream"] is None) == (pause > 0)
+    with pytest.raises(cs.HazardError, match="to_host"):
+        odd.to_host()
+    producer.synchronize()
