@@ -36,6 +36,13 @@ def current_owner() -> Owner:
     return (threading.get_ident(), current_task_id())
 
 
+def fault_again(fault: KernelError) -> KernelError:
+    """A fresh ``KernelError`` for ``fault``, to raise once more: one instance
+    raised again and again would keep every frame it passed through (and so
+    their arrays) in its traceback, and be shared between threads."""
+    return KernelError(fault.kernel, fault.stream, fault.__cause__ or fault)
+
+
 class OpenBlock:
     """A ``writing()`` or ``reading()`` block whose body is running.
 

@@ -29,7 +29,7 @@ from typing import Any
 from . import _capture, _capture_guard, _observe
 from ._access import Access, AccessState, Counters, Kind
 from ._backend import Backend
-from ._blocks import Blocked, OpenBlock, Owner
+from ._blocks import Blocked, OpenBlock, Owner, fault_again
 from ._capture_guard import StreamPhase
 from ._config import settings
 from ._device import OnDevice, view_stream_id
@@ -269,7 +269,7 @@ class PendingWork:
             if block.owner == me and block.conflicts(kind, disjoint):
                 snapshot = block.at_close
                 if isinstance(snapshot, KernelError):  # (closed on a faulted device)
-                    raise snapshot
+                    raise fault_again(snapshot)
                 if snapshot is None:  # (a stream gone without it: ValueError)
                     snapshot = self._record_block(block)
                 if snapshot.state is not AccessState.RELEASED:  # (else complete, let go)
@@ -627,7 +627,7 @@ class PendingWork:
         try:
             new = block.at_close
             if isinstance(new, KernelError):  # (its stream closed on a faulted device)
-                raise new
+                raise fault_again(new)
             if new is None:
                 if gone_ok and not block.stream._recordable:
                     return

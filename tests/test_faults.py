@@ -177,13 +177,15 @@ def test_a_block_whose_stream_closed_on_a_faulted_device_raises_the_fault_at_exi
     arr = sim.empty(N)
     t = cs.track(arr)
     tmp, culprit = cs.Stream(), cs.Stream()
-    with pytest.raises(cs.KernelError):
+    with pytest.raises(cs.KernelError) as at_exit:
         with getattr(t, kind)(tmp):
             sim.launch(culprit, _boom)
             with pytest.raises(cs.KernelError):
                 culprit.synchronize()
-            with pytest.raises(cs.KernelError):
+            with pytest.raises(cs.KernelError) as at_close:
                 tmp.close()
+    # a fresh instance: one raised again would carry every frame it passed
+    assert at_exit.value is not at_close.value
     sim.reset(0)
     s = cs.Stream()
     with t.writing(s):
