@@ -662,7 +662,8 @@ async def wait_for_events(
 
             if not await finished_within(timeout, until_done):
                 said = timeout if given is None else given
-                raise TimeoutError(f"GPU work not complete after {said} s{_late(box[0])}")
+                late = [e for e in box[0] if not _done_now(backend, e[0])]  # (those woken
+                raise TimeoutError(f"GPU work not complete after {said} s{_late(late)}")  # last)
     except BaseException:
         keepalive = None  # a kept traceback keeps this frame, not what it kept
         raise
@@ -766,6 +767,15 @@ def wait_blocking(
         keepalive = None  # a kept traceback keeps this frame, not what it kept
         raise
     del keepalive
+
+
+def _done_now(backend: Backend, event: int) -> bool:
+    """Whether ``event`` is complete, for a message: False if the query fails."""
+    try:
+        with _capture_guard.relaxed(backend):
+            return bool(backend.query(event))
+    except Exception:  # noqa: BLE001 - (a fault: it is still late, for the message)
+        return False
 
 
 def _late(pending: Sequence[tuple[int, Mark | None]]) -> str:

@@ -878,3 +878,27 @@ async def test_a_scope_around_a_consume_that_expires_with_its_timeout_catches_it
             th.join(10)
     s.synchronize()
     assert escaped == 0
+
+
+async def test_a_timeout_names_only_the_streams_still_pending(ops: DeviceOps) -> None:
+    """``consume_all`` of two arrays, one on a stream done long before the
+    timeout: the message names the other stream only (it named both: the
+    pass that would have seen the first done was cancelled by the timeout)."""
+    if ops.name != "sim":
+        pytest.skip("the sim's kernel durations")
+    fast, slow = cs.Stream(), cs.Stream()
+    a, b = cs.track(sim.empty(16)), cs.track(sim.empty(16))
+    with a.writing(fast):
+        sim.launch(fast, lambda: None, duration=0.02)
+    latch = ops.latch(slow)
+    with b.writing(slow):
+        pass
+    try:
+        with pytest.raises(TimeoutError) as info:
+            await cs.consume_all(a, b, timeout=0.3)
+    finally:
+        latch.release()
+    assert str(info.value) == (
+        f"GPU work not complete after 0.3 s: still pending on stream {slow.handle:#x}"
+    )
+    slow.synchronize()
