@@ -71,6 +71,7 @@ is one actor per host thread.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import os
@@ -929,28 +930,28 @@ def _taken_again(lo: int, hi: int, later: list[Captured]) -> bool:
 
 def _writes_first(lo: int, hi: int, operations: list[Captured]) -> bool:
     """Whether ``operations``, in order, read only bytes of ``[lo, hi)`` that
-    they wrote first."""
-    written: list[tuple[int, int]] = []  # disjoint, sorted
+    they wrote first. (Spans kept disjoint and sorted, found by bisection: a
+    strided view is many runs.)"""
+    starts: list[int] = []
+    ends: list[int] = []
     for items, _, _ in operations:
         for kind, a, b in items:
             a, b = max(a, lo), min(b, hi)
             if a >= b:
                 continue
+            i = bisect.bisect_right(starts, a)  # spans starting at or before a: [0, i)
             if kind == "write":
-                written = _merged([*written, (a, b)])
-            elif not any(x <= a and b <= y for x, y in written):
+                j = bisect.bisect_right(starts, b)  # spans starting at or before b: [0, j)
+                if i and ends[i - 1] >= a:  # the span before overlaps or touches
+                    i -= 1
+                    a = starts[i]
+                if j > i:
+                    b = max(b, ends[j - 1])
+                starts[i:j] = [a]
+                ends[i:j] = [b]
+            elif not (i and ends[i - 1] >= b):
                 return False
     return True
-
-
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 def _freed_under_graph(what: str, site: str, lo: int, hi: int) -> HazardError:

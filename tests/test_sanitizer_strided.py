@@ -157,3 +157,37 @@ def test_an_export_of_a_strided_part_vouches_for_its_runs_only(pause: float) -> 
     with pytest.raises(cs.HazardError, match="to_host"):
         odd.to_host()
     producer.synchronize()
+
+
+_ops = st.lists(
+    st.lists(
+        st.tuples(st.sampled_from(["read", "write"]), st.integers(0, 64), st.integers(0, 64)),
+        max_size=4,
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(operations=_ops, lo=st.integers(0, 32), hi=st.integers(16, 64))
+def test_reads_of_a_capture_are_covered_by_its_earlier_writes_as_a_byte_set_says(
+    operations: list[list[tuple[str, int, int]]], lo: int, hi: int
+) -> None:
+    """The check that a capture read only what it wrote first (a freed block's
+    scratch use), kept as sorted spans for speed, against a set of bytes."""
+    from cai_streams._sanitizer import _writes_first
+
+    written: set[int] = set()
+    expected = True
+    for items in operations:
+        for kind, a, b in items:
+            span = set(range(max(a, lo), min(b, hi)))
+            if kind == "write":
+                written |= span
+            elif not span <= written:
+                expected = False
+                break
+        if not expected:
+            break
+    captured = [(items, "kernel", "here") for items in operations]
+    assert _writes_first(lo, hi, captured) is expected
