@@ -267,11 +267,15 @@ def host_view(obj: object) -> np.ndarray[Any, Any]:
     reads the memory as it is now, so order it first (``await cs.consume(obj)``,
     ``consume_blocking``, a synchronize), as a GPU program reads a mapped
     buffer; and keep ``obj`` (or the view's owner) alive while you use it, as a
-    device pointer does not. TypeError for an object with no interface,
-    ValueError for memory the simulator does not hold. Does not block."""
+    device pointer does not. Read-only where the interface says so. TypeError
+    for an object with no interface, ValueError for memory the simulator does
+    not hold. Does not block."""
     view = _numpy_view(obj)
     if view is None:
         raise TypeError(f"{type(obj).__name__} has no __cuda_array_interface__")
+    interface = None if isinstance(obj, SimArray) else _interface_of(obj)
+    if interface is not None and interface.readonly:
+        view.flags.writeable = False  # (as its interface says: read, not write)
     return view
 
 

@@ -554,6 +554,10 @@ def test_host_view_reads_what_a_consume_handed_over() -> None:
     assert np.shares_memory(got, sim.host_view(out))  # (the same memory, not a copy)
     with pytest.raises(TypeError, match="no __cuda_array_interface__"):
         sim.host_view(object())
+    readonly = cs.read_interface(out)
+    interface = dict(readonly.__cuda_array_interface__, data=(out.ptr, True))
+    ro = cs.consume_blocking(type("RO", (), {"__cuda_array_interface__": interface})())
+    assert ro.readonly and not sim.host_view(ro).flags.writeable
 
 
 def test_a_kernel_running_when_another_faults_is_aborted_with_it() -> None:
