@@ -111,8 +111,17 @@ def join(into: Clock, other: Clock) -> None:
             into[k] = v
 
 
+def _seen_end(c: Clock, a: Access) -> bool:
+    """Whether what ``c`` has seen is ordered after ``a`` (by its actor's tick,
+    or by the host thread that vouched for it)."""
+    if c.get(a.actor, 0) >= a.tick:
+        return True
+    v = a.vouched
+    return v is not None and c.get(v[0], 0) >= v[1]
+
+
 def _before_all(a: Access, clocks: list[Clock]) -> bool:
-    return all(c.get(a.actor, 0) >= a.tick for c in clocks)
+    return all(_seen_end(c, a) for c in clocks)
 
 
 class _StateLock:
@@ -331,6 +340,12 @@ class _State:
         if hosts:
             self.shadows.keep(0, 1 << 64, lambda a: None if _before_all(a, hosts) else a)
         named = {a.actor for segment in self.shadows for a in segment.accesses()}
+        named |= {
+            a.vouched[0]
+            for segment in self.shadows
+            for a in segment.accesses()
+            if a.vouched is not None
+        }
         gone = self.retired - named
         if not gone:
             return
@@ -368,7 +383,7 @@ class _State:
         def keep(a: Access) -> Access | None:
             if _lasts(a):
                 pass  # a read through a live view lasts: no ordering or hold ends it
-            elif a.held or known.get(a.actor, 0) >= a.tick or (_is_host(a) and _over(a)):
+            elif a.held or _seen_end(known, a) or (_is_host(a) and _over(a)):
                 return None
             return a if a.freed else dataclasses.replace(a, freed=True)
 
@@ -459,11 +474,11 @@ class _State:
             self.checked += 1
             for segment in self.shadows.overlapping(a.lo, a.hi):
                 w = segment.write
-                if w is not None and w.actor != actor and seen.get(w.actor, 0) < w.tick:
+                if w is not None and w.actor != actor and not _seen_end(seen, w):
                     raise self._hazard(w, a, seen)
                 if a.kind == "write":
                     for r in segment.reads.values():
-                        if r.actor != actor and seen.get(r.actor, 0) < r.tick:
+                        if r.actor != actor and not _seen_end(seen, r):
                             raise self._hazard(r, a, seen)
         if not record:
             return
@@ -487,7 +502,7 @@ class _State:
             for segment in self.shadows.cover(a.lo, a.hi):
                 reads = segment.reads
                 until = a.until
-                for r in [r for r in reads.values() if seen.get(r.actor, 0) >= r.tick]:
+                for r in [r for r in reads.values() if _seen_end(seen, r)]:
                     if a.until is None and _is_host(r) and not _over(r):
                         continue  # (a read not known to end cannot carry a host read's views)
                     del reads[r.actor]  # this read stands for it from now on
@@ -499,7 +514,7 @@ class _State:
         ordered_host = None
         for other, c in self.clocks.items():
             if other[0] == "host" and other != second.actor and other != first.actor:
-                if c.get(first.actor, 0) >= first.tick:
+                if _seen_end(c, first):
                     ordered_host = actor_name(other)
                     break
         return hazard(first, second, clock, ordered_host)
@@ -867,12 +882,11 @@ class _Watcher(Observer):
 
 
 def _vouched(done: Clock, actor: Actor, tick: int, a: Access) -> Access:
-    """``a``, or, if it is a write that ``done`` covers, the same write as
-    ``actor`` vouches for it at ``tick`` (an export that found it done)."""
+    """``a``, and if it is a write that ``done`` covers, ``actor`` at ``tick``
+    as a second witness of its end (an export that found it done)."""
     if a.kind != "write" or done.get(a.actor, 0) < a.tick:
         return a
-    what = f"{a.what}, which an export naming no stream found done"
-    return dataclasses.replace(a, actor=actor, tick=tick, what=what)
+    return dataclasses.replace(a, vouched=(actor, tick))
 
 
 def _lasts(a: Access) -> bool:

@@ -1053,6 +1053,49 @@ def test_an_export_that_names_no_stream_vouches_only_for_its_own_thread(pause: f
     assert len(errors) == 1 and "is not ordered after" in str(errors[0])
 
 
+@pytest.mark.parametrize("then", ["a synchronize and a host read", "the next write", "a consume"])
+def test_an_export_by_another_thread_leaves_what_is_ordered_after_the_write_alone(
+    then: str,
+) -> None:
+    """Another thread reads the array's interface once the write is done (an
+    export naming no stream); this thread is ordered after the write by its
+    own synchronize, or waits for it with a consume: no hazard. (The export
+    made the exporting thread the write's only witness, and these were named
+    as not ordered after that thread.)"""
+    import queue
+    import time
+
+    producer = cs.Stream()
+    buf = sim.empty(1024, "float32")
+    t = cs.track(buf)
+    handed: queue.Queue[Any] = queue.Queue()
+
+    def other() -> None:
+        tt = handed.get()
+        time.sleep(0.2)  # (the write is done by then)
+        assert tt.__cuda_array_interface__["stream"] is None
+
+    th = threading.Thread(target=other)
+    th.start()
+    with t.writing(producer):
+        w(producer, buf, duration=0.05)
+    handed.put(t)
+    if then == "a consume":
+        time.sleep(0.5)  # (after the export: timing only)
+        cs.consume_blocking(t, timeout=10)
+        buf.to_host()
+    else:
+        producer.synchronize()
+        time.sleep(0.5)
+        if then == "the next write":
+            with t.writing(producer):
+                w(producer, buf)
+        else:
+            buf.to_host()
+    th.join(10)
+    producer.synchronize()
+
+
 def test_the_legacy_stream_waits_for_a_gone_threads_per_thread_stream_after_a_sweep() -> None:
     """A worker thread writes on its per-thread stream (2) and ends; the
     sanitizer retires that stream (a sweep), and the legacy stream (1), which
