@@ -192,12 +192,18 @@ def install(h: Handoffs) -> None:
         ) -> Any:
             if getattr(_local, "busy", False):  # (the library's own: see unseen)
                 return real(self, callback, *args, context=context)
+            check = getattr(self, "_check_callback", None)
+            if check is not None and self.get_debug():  # (asyncio's own, on the callback)
+                check(callback, "call_soon_threadsafe")
             there = Token()
             _tell(h.before, there)
-            # the receipt runs just before the callback (the loop runs them in
-            # order), which asyncio gets as given: its checks, its reports
-            real(self, _tell, h.after, there)
-            return real(self, callback, *args, context=context)
+
+            @functools.wraps(callback)  # (reports name the callback)
+            def run(*a: Any) -> Any:  # one handle: a cancel drops the receipt too
+                _tell(h.after, there)
+                return callback(*a)
+
+            return real(self, run, *args, context=context)
 
         return wrapped
 

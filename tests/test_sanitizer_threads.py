@@ -645,3 +645,39 @@ def test_a_poll_policy_change_from_another_thread_is_no_handoff() -> None:
             p.synchronize()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["cancelled", "refused in debug mode"])
+def test_a_call_soon_threadsafe_that_hands_nothing_over_orders_nothing(how: str) -> None:
+    """A thread reads an array, then schedules a callback in the loop that it
+    cancels (or that asyncio refuses): nothing was handed over, so the loop's
+    later write is named. (The receipt was a callback of its own, which ran
+    all the same.)"""
+
+    async def job() -> None:
+        pass
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        buf = zeros()
+
+        def other() -> None:
+            buf.to_host()
+            if how == "cancelled":
+                loop.call_soon_threadsafe(lambda: None).cancel()
+            else:
+                with contextlib.suppress(TypeError):
+                    loop.call_soon_threadsafe(job)
+
+        th = threading.Thread(target=other)
+        th.start()
+        await asyncio.sleep(0.3)  # (timing only)
+        s = cs.Stream()
+        try:
+            with pytest.raises(cs.HazardError, match="is not ordered after"):
+                write(s, buf)
+        finally:
+            th.join(10)
+            s.synchronize()
+
+    asyncio.run(main(), debug=how != "cancelled")
