@@ -653,6 +653,7 @@ def test_a_call_soon_threadsafe_that_hands_nothing_over_orders_nothing(how: str)
     cancels (or that asyncio refuses): nothing was handed over, so the loop's
     later write is named. (The receipt was a callback of its own, which ran
     all the same.)"""
+    import time
 
     async def job() -> None:
         pass
@@ -671,7 +672,10 @@ def test_a_call_soon_threadsafe_that_hands_nothing_over_orders_nothing(how: str)
 
         th = threading.Thread(target=other)
         th.start()
-        await asyncio.sleep(0.3)  # (timing only)
+        # the loop is held while the thread schedules and cancels: the callback
+        # cannot run in between (then it would have handed over)
+        time.sleep(0.3)  # noqa: ASYNC251 - the loop held on purpose
+        await asyncio.sleep(0.05)  # (the loop's turn: a receipt scheduled would run)
         s = cs.Stream()
         try:
             with pytest.raises(cs.HazardError, match="is not ordered after"):
