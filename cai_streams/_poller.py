@@ -661,9 +661,10 @@ async def wait_for_events(
                     box[0] = await _wait_once(_current_poller(), backend, box[0])
 
             if not await finished_within(timeout, until_done):
-                said = timeout if given is None else given
                 late = [e for e in box[0] if not _done_now(backend, e[0])]  # (those woken
-                raise TimeoutError(f"GPU work not complete after {said} s{_late(late)}")  # last)
+                if late:  # last; none: all done at the deadline, as a blocking wait finds)
+                    said = timeout if given is None else given
+                    raise TimeoutError(f"GPU work not complete after {said} s{_late(late)}")
     except BaseException:
         keepalive = None  # a kept traceback keeps this frame, not what it kept
         raise

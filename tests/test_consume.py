@@ -902,3 +902,30 @@ async def test_a_timeout_names_only_the_streams_still_pending(ops: DeviceOps) ->
         f"GPU work not complete after 0.3 s: still pending on stream {slow.handle:#x}"
     )
     slow.synchronize()
+
+
+async def test_work_found_done_when_the_timeout_expires_is_returned(
+    ops: DeviceOps, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait's own timeout expires just as the work completes (here: a
+    wait that gives up at once, over work done by then): the consume returns
+    the view, as ``consume_blocking`` does, instead of raising "GPU work not
+    complete" with no stream to name."""
+    if ops.name != "sim":
+        pytest.skip("the sim's latch")
+    from cai_streams import _poller
+
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(8, "float32")))
+    latch = ops.latch(s)
+    with t.writing(s):
+        ops.fill(s, t.array, 1.0)
+
+    async def gives_up(seconds: float, fn: Any) -> bool:
+        latch.release()
+        s.synchronize()  # (done by the time the wait looks again)
+        return False
+
+    monkeypatch.setattr(_poller, "finished_within", gives_up)
+    view = await cs.consume(t, timeout=5)
+    assert view is not None
