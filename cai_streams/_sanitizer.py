@@ -116,8 +116,7 @@ def _seen_end(c: Clock, a: Access) -> bool:
     or by the host thread that vouched for it)."""
     if c.get(a.actor, 0) >= a.tick:
         return True
-    v = a.vouched
-    return v is not None and c.get(v[0], 0) >= v[1]
+    return any(c.get(actor, 0) >= tick for actor, tick in a.vouched)
 
 
 def _before_all(a: Access, clocks: list[Clock]) -> bool:
@@ -341,10 +340,7 @@ class _State:
             self.shadows.keep(0, 1 << 64, lambda a: None if _before_all(a, hosts) else a)
         named = {a.actor for segment in self.shadows for a in segment.accesses()}
         named |= {
-            a.vouched[0]
-            for segment in self.shadows
-            for a in segment.accesses()
-            if a.vouched is not None
+            actor for segment in self.shadows for a in segment.accesses() for actor, _ in a.vouched
         }
         gone = self.retired - named
         if not gone:
@@ -442,7 +438,7 @@ class _State:
         done = dict(captured)
 
         def vouch(a: Access) -> Access:
-            if a.held or a.freed or done.get(a.actor, 0) < a.tick:
+            if a.held or a.freed or not _seen_end(done, a):
                 return a
             return dataclasses.replace(a, held=True)
 
@@ -882,11 +878,14 @@ class _Watcher(Observer):
 
 
 def _vouched(done: Clock, actor: Actor, tick: int, a: Access) -> Access:
-    """``a``, and if it is a write that ``done`` covers, ``actor`` at ``tick``
-    as a second witness of its end (an export that found it done)."""
+    """``a``, and if it is a write that ``done`` covers, with ``actor`` at
+    ``tick`` as one more witness of its end (an export that found it done;
+    one of ``actor``'s at an earlier tick already says more)."""
     if a.kind != "write" or done.get(a.actor, 0) < a.tick:
         return a
-    return dataclasses.replace(a, vouched=(actor, tick))
+    if any(other == actor for other, _ in a.vouched):
+        return a
+    return dataclasses.replace(a, vouched=(*a.vouched, (actor, tick)))
 
 
 def _lasts(a: Access) -> bool:

@@ -42,10 +42,10 @@ class Access:
     #: reads it stands for), which lasts as long as one of them does; None: a
     #: read whose end is not known (a stream's, a host read of another kind)
     until: tuple[weakref.ref[Any], ...] | None = field(default=None, compare=False)
-    #: another witness of its end: ``(actor, tick)`` of a host thread that an
+    #: more witnesses of its end: ``(actor, tick)`` of each host thread that an
     #: export naming no stream told the data was ready (whatever is ordered
-    #: after that thread's tick is ordered after this access too)
-    vouched: tuple[Hashable, int] | None = None
+    #: after one of them is ordered after this access too)
+    vouched: tuple[tuple[Hashable, int], ...] = ()
 
 
 class Segment:

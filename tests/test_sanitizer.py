@@ -1096,6 +1096,50 @@ def test_an_export_by_another_thread_leaves_what_is_ordered_after_the_write_alon
     producer.synchronize()
 
 
+@pytest.mark.parametrize("exports", ["one thread, twice", "two threads"])
+def test_a_thread_ordered_after_the_first_of_two_exports_is_not_named(exports: str) -> None:
+    """The write found done by two exports naming no stream; a worker is
+    ordered after the first only (a queue): no hazard. (The second export's
+    witness replaced the first's, and the worker was named.)"""
+    import queue
+    import time
+
+    producer = cs.Stream()
+    buf = sim.empty(1024, "float32")
+    t = cs.track(buf)
+    handed: queue.Queue[Any] = queue.Queue()
+    errors: list[Exception] = []
+
+    def worker() -> None:
+        b = handed.get(timeout=10)
+        time.sleep(0.3)  # (the second export happens meanwhile)
+        try:
+            b.to_host()
+        except cs.HazardError as exc:
+            errors.append(exc)
+
+    def second() -> None:
+        assert t.__cuda_array_interface__["stream"] is None
+
+    th = threading.Thread(target=worker)
+    th.start()
+    with t.writing(producer):
+        w(producer, buf, duration=0.05)
+    time.sleep(0.2)  # (the write is done)
+    assert t.__cuda_array_interface__["stream"] is None
+    handed.put(buf)
+    time.sleep(0.1)
+    if exports == "two threads":
+        other = threading.Thread(target=second)  # (started after: ordered after the
+        other.start()  # first export too; its own export is the newer witness)
+        other.join(10)
+    else:
+        second()
+    th.join(10)
+    producer.synchronize()
+    assert not errors, errors
+
+
 def test_the_legacy_stream_waits_for_a_gone_threads_per_thread_stream_after_a_sweep() -> None:
     """A worker thread writes on its per-thread stream (2) and ends; the
     sanitizer retires that stream (a sweep), and the legacy stream (1), which
