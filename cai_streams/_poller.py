@@ -661,8 +661,9 @@ async def wait_for_events(
                     box[0] = await _wait_once(_current_poller(), backend, box[0])
 
             if not await finished_within(timeout, until_done):
-                late = [e for e in box[0] if not _done_now(backend, e[0])]  # (those woken
-                if late:  # last; none: all done at the deadline, as a blocking wait finds)
+                with _capture_guard.relaxed(backend):  # (those woken last; a failed one
+                    late = [e for e in box[0] if not backend.query(e[0])]  # raises its error)
+                if late:  # (none: all done at the deadline, as a blocking wait finds)
                     said = timeout if given is None else given
                     raise TimeoutError(f"GPU work not complete after {said} s{_late(late)}")
     except BaseException:
@@ -768,15 +769,6 @@ def wait_blocking(
         keepalive = None  # a kept traceback keeps this frame, not what it kept
         raise
     del keepalive
-
-
-def _done_now(backend: Backend, event: int) -> bool:
-    """Whether ``event`` is complete, for a message: False if the query fails."""
-    try:
-        with _capture_guard.relaxed(backend):
-            return bool(backend.query(event))
-    except Exception:  # noqa: BLE001 - (a fault: it is still late, for the message)
-        return False
 
 
 def _late(pending: Sequence[tuple[int, Mark | None]]) -> str:

@@ -192,3 +192,30 @@ def test_a_block_whose_stream_closed_on_a_faulted_device_raises_the_fault_at_exi
         sim.launch(s, _fill, arr, 7.0, writes=[arr], duration=0.001)
     got = cs.consume_blocking(t, timeout=20)
     np.testing.assert_array_equal(sim._numpy_view(got), 7.0)
+
+
+async def test_work_that_failed_when_the_timeout_expires_raises_the_fault(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The wait's own timeout expires just as the producer's kernel faults
+    (here: a wait that gives up at once, over a kernel failed by then): the
+    consume raises the ``KernelError``, as ``consume_blocking`` does, not a
+    ``TimeoutError`` naming the stream as still pending."""
+    from cai_streams import _poller
+
+    s = cs.Stream()
+    t = cs.track(sim.empty(N))
+    gate = threading.Event()
+    sim.launch(s, lambda: gate.wait(10))
+    with t.writing(s):
+        sim.launch(s, _boom)
+
+    async def gives_up(seconds: float, fn: Any) -> bool:
+        gate.set()
+        with pytest.raises(cs.KernelError):
+            s.synchronize()  # (failed by the time the wait looks again)
+        return False
+
+    monkeypatch.setattr(_poller, "finished_within", gives_up)
+    with pytest.raises(cs.KernelError):
+        await cs.consume(t, timeout=5)
