@@ -192,9 +192,12 @@ def install(h: Handoffs) -> None:
         ) -> Any:
             if getattr(_local, "busy", False):  # (the library's own: see unseen)
                 return real(self, callback, *args, context=context)
-            check = getattr(self, "_check_callback", None)
-            if check is not None and self.get_debug():  # (asyncio's own, on the callback)
-                check(callback, "call_soon_threadsafe")
+            if self.get_debug():  # asyncio's own checks, in its order, on the callback
+                closed = getattr(self, "_check_closed", None)
+                check = getattr(self, "_check_callback", None)
+                if closed is not None and check is not None:
+                    closed()
+                    check(callback, "call_soon_threadsafe")
             there = Token()
             _tell(h.before, there)
 
@@ -203,7 +206,14 @@ def install(h: Handoffs) -> None:
                 _tell(h.after, there)
                 return callback(*a)
 
-            return real(self, run, *args, context=context)
+            if not hasattr(callback, "__qualname__"):  # (a partial, a callable object)
+                run.__qualname__ = repr(callback)
+
+            handle = real(self, run, *args, context=context)
+            source = getattr(handle, "_source_traceback", None)
+            if source:  # (debug mode: "created at" the caller's line, not this one)
+                del source[-1]
+            return handle
 
         return wrapped
 

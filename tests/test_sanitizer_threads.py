@@ -685,3 +685,14 @@ def test_a_call_soon_threadsafe_that_hands_nothing_over_orders_nothing(how: str)
             s.synchronize()
 
     asyncio.run(main(), debug=how != "cancelled")
+
+
+def test_call_soon_threadsafe_on_a_closed_debug_loop_says_it_is_closed() -> None:
+    """asyncio checks that the loop is open before it checks the callback;
+    the sanitizer's wrapper, checking the callback first in debug mode, raised
+    TypeError for a closed loop."""
+    loop = asyncio.new_event_loop()
+    loop.set_debug(True)
+    loop.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.call_soon_threadsafe(123)  # type: ignore[arg-type]
