@@ -997,6 +997,21 @@ def test_an_export_that_names_no_stream_orders_its_reader(pause: float) -> None:
     assert out.to_host(stream=1 if stream is None else stream)[0] == 1024.0
 
 
+def _written_then_exported(
+    producer: cs.Stream, buf: sim.SimArray, pause: float, duration: float = 0.05
+) -> None:
+    """``buf`` tracked and written on ``producer``; after ``pause``, its
+    interface read (an export): it names the stream while the write is
+    pending, None once it is done."""
+    import time
+
+    t = cs.track(buf)
+    with t.writing(producer):
+        w(producer, buf, duration=duration)
+    time.sleep(pause)
+    assert (t.__cuda_array_interface__["stream"] is None) == (pause > 0)
+
+
 @pytest.mark.parametrize("pause", [0.0, 0.2], ids=["pending at export", "done at export"])
 def test_an_export_that_names_no_stream_orders_no_other_buffer(pause: float) -> None:
     """Another array written on the producer's stream before the tracked one,
@@ -1004,18 +1019,12 @@ def test_an_export_that_names_no_stream_orders_no_other_buffer(pause: float) -> 
     run. (Once the export found the tracked write done and named None, the
     whole thread was taken as ordered after the producer's stream, and the
     read passed: a verdict that depended on the GPU's timing.)"""
-    import time
 
     producer = cs.Stream()
     other = sim.empty(1024, "float32")
     buf = sim.empty(1024, "float32")
-    t = cs.track(buf)
     w(producer, other, duration=0.05)
-    with t.writing(producer):
-        w(producer, buf)
-    time.sleep(pause)
-    stream = t.__cuda_array_interface__["stream"]
-    assert (stream is None) == (pause > 0)
+    _written_then_exported(producer, buf, pause, duration=0.0)
     with pytest.raises(cs.HazardError, match="to_host"):
         other.to_host()
     producer.synchronize()
@@ -1041,12 +1050,7 @@ def test_an_export_that_names_no_stream_vouches_only_for_its_own_thread(pause: f
 
     th = threading.Thread(target=writer)
     th.start()
-    t = cs.track(buf)
-    with t.writing(producer):
-        w(producer, buf, duration=0.05)
-    time.sleep(pause)
-    stream = t.__cuda_array_interface__["stream"]
-    assert (stream is None) == (pause > 0)
+    _written_then_exported(producer, buf, pause)
     th.join(10)
     producer.synchronize()
     other.synchronize()

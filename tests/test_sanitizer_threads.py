@@ -613,6 +613,18 @@ def test_call_soon_threadsafe_leaves_the_callback_as_given() -> None:
     assert "coroutines cannot be used" in asyncio.run(main(), debug=True)
 
 
+def _the_loops_write_is_named(buf: sim.SimArray, th: threading.Thread) -> None:
+    """The loop's thread writes ``buf`` on a stream of its own: named, as not
+    ordered after ``th``'s read of it; then ``th`` is joined."""
+    s = cs.Stream()
+    try:
+        with pytest.raises(cs.HazardError, match="is not ordered after"):
+            write(s, buf)
+    finally:
+        th.join(10)
+        s.synchronize()
+
+
 def test_a_poll_policy_change_from_another_thread_is_no_handoff() -> None:
     """``cs.configure(poll=...)`` wakes the loops through their
     ``call_soon_threadsafe``: the library's own call, which orders nothing of
@@ -636,13 +648,7 @@ def test_a_poll_policy_change_from_another_thread_is_no_handoff() -> None:
         th = threading.Thread(target=reader)
         th.start()
         await asyncio.sleep(0.3)  # (timing only)
-        p = cs.Stream()
-        try:
-            with pytest.raises(cs.HazardError, match="is not ordered after"):
-                write(p, buf)
-        finally:
-            th.join(10)
-            p.synchronize()
+        _the_loops_write_is_named(buf, th)
 
     asyncio.run(main())
 
@@ -676,13 +682,7 @@ def test_a_call_soon_threadsafe_that_hands_nothing_over_orders_nothing(how: str)
         # cannot run in between (then it would have handed over)
         time.sleep(0.3)  # noqa: ASYNC251 - the loop held on purpose
         await asyncio.sleep(0.05)  # (the loop's turn: a receipt scheduled would run)
-        s = cs.Stream()
-        try:
-            with pytest.raises(cs.HazardError, match="is not ordered after"):
-                write(s, buf)
-        finally:
-            th.join(10)
-            s.synchronize()
+        _the_loops_write_is_named(buf, th)
 
     asyncio.run(main(), debug=how != "cancelled")
 
