@@ -77,6 +77,34 @@ def _tell(report: Callable[[Any], None], arg: Any) -> None:
         _local.busy = False
 
 
+class _Receipt:
+    """The callback a thread hands an event loop through
+    ``call_soon_threadsafe``, which reports the handoff in the loop's thread
+    just before it runs. asyncio's reports name the callback: its name, or
+    asyncio's own formatting of it, made only when a report asks."""
+
+    def __init__(
+        self, callback: Callable[..., Any], after: Callable[[Any], None], there: Token
+    ) -> None:
+        self.__wrapped__ = callback  # (asyncio finds its source through it)
+        self._after = after
+        self._there = there
+        name = getattr(callback, "__qualname__", None)
+        if isinstance(name, str):  # a function or a method: asyncio prints the name
+            self.__qualname__ = name
+
+    def __call__(self, *args: Any) -> Any:
+        _tell(self._after, self._there)
+        return self.__wrapped__(*args)
+
+    def __repr__(self) -> str:  # (a partial, a callable object: only when printed)
+        helpers = getattr(asyncio, "format_helpers", None)
+        fmt = getattr(helpers, "_format_callback", None)
+        if fmt is None:
+            return repr(self.__wrapped__)
+        return str(fmt(self.__wrapped__, (), None)).removesuffix("()")
+
+
 def unseen(fn: Callable[..., object], *args: Any) -> object:
     """``fn(*args)``, whose use of a wrapped primitive is the library's own
     (a poll policy change waking a loop): no handoff of the user's."""
@@ -200,16 +228,8 @@ def install(h: Handoffs) -> None:
                     check(callback, "call_soon_threadsafe")
             there = Token()
             _tell(h.before, there)
-
-            @functools.wraps(callback)  # (reports name the callback)
-            def run(*a: Any) -> Any:  # one handle: a cancel drops the receipt too
-                _tell(h.after, there)
-                return callback(*a)
-
-            if not hasattr(callback, "__qualname__"):  # (a partial, a callable object)
-                run.__qualname__ = repr(callback)
-
-            handle = real(self, run, *args, context=context)
+            # one handle: a cancel drops the receipt too
+            handle = real(self, _Receipt(callback, h.after, there), *args, context=context)
             source = getattr(handle, "_source_traceback", None)
             if source:  # (debug mode: "created at" the caller's line, not this one)
                 del source[-1]

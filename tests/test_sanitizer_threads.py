@@ -696,3 +696,34 @@ def test_call_soon_threadsafe_on_a_closed_debug_loop_says_it_is_closed() -> None
     loop.close()
     with pytest.raises(RuntimeError, match="closed"):
         loop.call_soon_threadsafe(123)  # type: ignore[arg-type]
+
+
+def test_call_soon_threadsafe_formats_no_callback_it_is_not_asked_to() -> None:
+    """A callable object whose ``__repr__`` must not run (it raises, or would
+    copy a device array to the host): the sanitizer's wrapper formatted every
+    callback with no name at each call, so the call raised and the callback
+    never ran. asyncio formats one only when it prints a handle."""
+    ran: list[str] = []
+
+    class Job:
+        def __call__(self) -> None:
+            ran.append("ran")
+
+        def __repr__(self) -> str:
+            raise RuntimeError("not to be formatted here")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+
+        def other() -> None:
+            loop.call_soon_threadsafe(Job())
+            loop.call_soon_threadsafe(done.set)
+
+        th = threading.Thread(target=other)
+        th.start()
+        await asyncio.wait_for(done.wait(), 10)
+        th.join(10)
+
+    asyncio.run(main())
+    assert ran == ["ran"]
