@@ -100,9 +100,6 @@ _FIRST_SWEEP: Final = 64
 
 Clock = dict[Hashable, int]
 Actor = tuple[Any, ...]
-#: host threads an export naming no stream keeps as witnesses of a write's
-#: end, at most (see ``_vouched``)
-MAX_WITNESSES: Final = 8
 #: one operation's accesses declared in a capture: (kind, lo, hi) items, what, where
 Captured = tuple[list[tuple[str, int, int]], str, str]
 
@@ -703,7 +700,7 @@ class _Watcher(Observer):
                 # work (no call of the user's waited for it): other buffers'
                 # writes there are still named, on every run.
                 tick = clock[actor] = clock.get(actor, 0) + 1
-                vouch = functools.partial(_vouched, done, actor, tick, state.retired)
+                vouch = functools.partial(_vouched, done, actor, tick)
                 for lo, hi in ranges:
                     state.shadows.keep(lo, hi, vouch)
             else:
@@ -880,23 +877,15 @@ class _Watcher(Observer):
                 _state.launches.pop((backend, graph), None)
 
 
-def _vouched(done: Clock, actor: Actor, tick: int, retired: set[Actor], a: Access) -> Access:
+def _vouched(done: Clock, actor: Actor, tick: int, a: Access) -> Access:
     """``a``, and if it is a write that ``done`` covers, with ``actor`` at
     ``tick`` as one more witness of its end (an export that found it done;
-    one of ``actor``'s at an earlier tick already says more). At most
-    :data:`MAX_WITNESSES`, those of threads that ended giving way first: a
-    thread ordered after none of them is named (a false alarm at worst), and
-    threads exporting one array by the thousand keep nothing of theirs."""
+    one of ``actor``'s at an earlier tick already says more)."""
     if a.kind != "write" or done.get(a.actor, 0) < a.tick:
         return a
-    witnesses = a.vouched
-    if any(other == actor for other, _ in witnesses):
+    if any(other == actor for other, _ in a.vouched):
         return a
-    if len(witnesses) >= MAX_WITNESSES:
-        witnesses = tuple(w for w in witnesses if w[0] not in retired)
-        if len(witnesses) >= MAX_WITNESSES:
-            return a
-    return dataclasses.replace(a, vouched=(*witnesses, (actor, tick)))
+    return dataclasses.replace(a, vouched=(*a.vouched, (actor, tick)))
 
 
 def _lasts(a: Access) -> bool:

@@ -194,39 +194,3 @@ def test_a_reused_block_filled_by_asarray_is_named_when_too_early(synchronize_fi
                 sim.asarray(np.full(64, 2.0, np.float32))
     finally:
         s.synchronize()
-
-
-def test_threads_exporting_one_finished_array_keep_a_bounded_state() -> None:
-    """A thread per request reads a finished array's interface (an export
-    naming no stream, which makes the thread a witness of the write's end),
-    while an idle thread keeps the write in the shadow: the witnesses stay at
-    most ``MAX_WITNESSES``, and the ended threads are let go (each one was
-    kept for good, in every clock)."""
-    import threading
-
-    producer = cs.Stream()
-    buf = sim.empty(1024, "float32")
-    t = cs.track(buf)
-    stop = threading.Event()
-    idle = threading.Thread(target=lambda: stop.wait(60))  # ordered after none of it
-    idle.start()
-    try:
-        with t.writing(producer):
-            sim.launch(producer, lambda x: x.fill(1.0), buf, writes=[buf], duration=0.01)
-        time.sleep(0.1)  # (the write is done)
-
-        def export() -> None:
-            assert t.__cuda_array_interface__["stream"] is None
-
-        for _ in range(300):
-            th = threading.Thread(target=export)
-            th.start()
-            th.join(10)
-        st = _sanitizer._state
-        witnesses = [len(a.vouched) for seg in st.shadows for a in seg.accesses()]
-        assert max(witnesses) <= _sanitizer.MAX_WITNESSES
-        assert len(st.retired) <= 2 * _sanitizer.MAX_WITNESSES
-    finally:
-        stop.set()
-        idle.join(10)
-        producer.synchronize()
