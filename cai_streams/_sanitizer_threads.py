@@ -23,6 +23,7 @@ import functools
 import queue
 import sys
 import threading
+import types
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -89,9 +90,11 @@ class _Receipt:
         self.__wrapped__ = callback  # (asyncio finds its source through it)
         self._after = after
         self._there = there
-        name = getattr(callback, "__qualname__", None)
-        if isinstance(name, str):  # a function or a method: asyncio prints the name
-            self.__qualname__ = name
+        if isinstance(callback, (types.FunctionType, types.MethodType)):
+            # asyncio prints a function's name, and a Task's method as the task
+            self.__qualname__ = callback.__qualname__
+            if isinstance(callback, types.MethodType):
+                self.__self__ = callback.__self__
 
     def __call__(self, *args: Any) -> Any:
         _tell(self._after, self._there)

@@ -712,6 +712,9 @@ def test_call_soon_threadsafe_formats_no_callback_it_is_not_asked_to() -> None:
         def __repr__(self) -> str:
             raise RuntimeError("not to be formatted here")
 
+        def __getattr__(self, name: str) -> Any:  # (a proxy: not to be asked either)
+            raise KeyError(name)
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
         done = asyncio.Event()
