@@ -32,8 +32,12 @@ def _sim() -> Iterator[None]:
 
 
 def _worker(stream: int) -> threading.Thread:
-    name = f"cai-streams-sim-0-{stream:#x}"
-    return next(t for t in threading.enumerate() if t.name == name)
+    """The worker thread of ``stream`` (by the stream, not its name: a
+    destroyed stream whose handle this one took may still be draining under
+    the same name)."""
+    worker = cs.current_backend()._resolve(stream)._thread  # type: ignore[attr-defined]
+    assert isinstance(worker, threading.Thread)
+    return worker
 
 
 def _switches(thread: threading.Thread) -> int:
