@@ -156,7 +156,10 @@ async def wait_block_async(block: OpenBlock, deadline: float | None) -> None:
             left = deadline - anyio.current_time()
             if left <= 0:
                 # a cancel scope around the caller that expired with it (due,
-                # its timer not run yet) catches it: one more turn of the loop
+                # its timer not run yet) catches it: two more turns of the loop
+                # (asyncio runs a task woken by the first before that turn's
+                # due timers)
+                await anyio.lowlevel.checkpoint()
                 await anyio.lowlevel.checkpoint()
                 holder = (
                     "another task's"
