@@ -115,6 +115,14 @@ MAX_FDS: Final = 128
 #: ``stats()``, settles them at once)
 SETTLE_EVERY: Final = 0.05
 
+#: seconds a poller that never sleeps (spin passes, the low-latency policy)
+#: runs between two releases of the GIL long enough for another thread to take
+#: it (``time.sleep(0)``: about 75 µs on Linux). The loop's own turns release it
+#: too briefly to be won, and reset the 5 ms after which CPython makes the
+#: holder hand it over: a thread waiting for the GIL beside a spinning poller
+#: waited 5 ms or more per take (100 took 0.5-1.4 s under trio).
+GIL_SHARE_EVERY: Final = 0.001
+
 
 class BellState(enum.Enum):
     """Where an entry of the poller stands with the doorbell."""
@@ -712,6 +720,8 @@ class PollerBells:
         self._wake: Callable[[], object] | None = None
         #: sleeps at most its argument; True if the time ran out
         self._napper: Callable[[float], Awaitable[bool]] | None = None
+        #: when the poller last let go of the GIL for long enough (perf_counter)
+        self._gil_shared = 0.0
         self._woken = Woken.NO
         #: the next heads of streams whose bell rang: armed by the poller task
         #: in its next sleep, so that the waiters the ring woke resume first
@@ -954,6 +964,8 @@ class PollerBells:
         if covered:  # every stream rings for itself: a pass now finds nothing new
             delay = max(delay, fallback)
         woken: Woken = self._woken
+        if delay <= 0 or woken is not Woken.NO:  # no sleep: a turn of the loop
+            self._share_gil()
         if woken is Woken.NO:
             self._nap = Nap.COVERED if covered else Nap.POLLING
             try:
@@ -961,11 +973,21 @@ class PollerBells:
             finally:
                 self._nap = Nap.AWAKE
                 woken, self._woken = self._woken, Woken.NO
+            if timed_out and delay > 0:  # it let go of the GIL meanwhile
+                self._gil_shared = time.perf_counter()
             # a pass that is due is a full one, whatever rang meanwhile
             return Woken.PASS if timed_out or woken is Woken.NO else woken
         self._woken = Woken.NO
         await anyio.lowlevel.checkpoint()
         return woken
+
+    def _share_gil(self) -> None:
+        """Between passes that do not sleep: once every ``GIL_SHARE_EVERY``,
+        let a thread waiting for the GIL take it. Blocks about 75 µs then."""
+        now = time.perf_counter()
+        if now - self._gil_shared >= GIL_SHARE_EVERY:
+            time.sleep(0)
+            self._gil_shared = time.perf_counter()
 
     def _bind_nap(self) -> Callable[[float], Awaitable[bool]]:
         """The event loop's own sleep that ``_wake`` ends early: a future and a
@@ -976,6 +998,9 @@ class PollerBells:
             import trio
 
             async def nap(delay: float) -> bool:
+                if delay <= 0:  # a turn of the loop (an Event under an expired
+                    await trio.lowlevel.checkpoint()  # deadline costs three)
+                    return True
                 event = trio.Event()
                 self._wake = event.set
                 try:

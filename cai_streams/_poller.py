@@ -96,7 +96,10 @@ class PollPolicy:
     1 ms, a doorbell where it helps, and a 10 ms fallback while it is armed.
     :meth:`low_latency` never sleeps: the poller yields between passes, so a
     completion is seen within one turn of the event loop, at the price of a
-    busy loop (one CPU core) for as long as anything is pending.
+    busy loop (one CPU core) for as long as anything is pending. A poller that
+    does not sleep (that policy, the spin passes) lets go of the GIL for about
+    75 µs once a millisecond, blocking its loop that long, so the process's
+    other threads still get it.
     """
 
     spin: int = 2

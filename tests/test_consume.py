@@ -604,6 +604,66 @@ async def test_a_new_policy_ends_a_sleep_of_the_old_one_at_once(
         cs.configure(poll=cs.PollPolicy())
 
 
+async def _gil_takes(spin: Callable[[threading.Thread], object] | None = None) -> float:
+    """Seconds another thread takes to give up the GIL and take it back 100
+    times (as a lock wait or a driver call does) while this loop waits for
+    it, after running ``spin(thread)`` (a control) if given."""
+    took: list[float] = []
+
+    def worker() -> None:
+        start = time.perf_counter()
+        for _ in range(100):
+            time.sleep(0)
+        took.append(time.perf_counter() - start)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    if spin is not None:
+        spin(th)
+    await anyio.to_thread.run_sync(th.join, 10)
+    return took[0]
+
+
+def _spin_holding_the_gil(th: threading.Thread) -> None:
+    while th.is_alive():
+        for _ in range(100):
+            pass
+
+
+async def test_a_busy_poller_lets_other_threads_take_the_gil(ops: DeviceOps) -> None:
+    """The low-latency poller never sleeps, but between passes it lets a
+    thread waiting for the GIL take it. Under trio it did not: each of that
+    thread's GIL takes waited out CPython's 5 ms switch interval (100 took
+    0.49 s, 70 times as long as beside an idle loop), as long as beside a
+    loop spinning without a yield (the control, measured here), so a loader
+    thread, or the simulator's own stream workers, crawled while a consumer
+    waited. The poller now lets go of the GIL long enough to be taken once a
+    millisecond: 100 take about 0.02 s under asyncio, 0.1 s under trio
+    (pytest's guest-mode run), against 0.5 s for the control."""
+    idle = await _gil_takes()
+    held = await _gil_takes(_spin_holding_the_gil)
+    assert held > 10 * idle, (held, idle)  # control: starvation shows
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(8, "float32")))
+    latch = ops.latch(s)
+    with t.writing(s):
+        ops.fill(s, t.array, 1.0)
+    cs.configure(poll=cs.PollPolicy.low_latency())
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(functools.partial(cs.consume, t, timeout=30))
+            await anyio.sleep(0.05)  # parked, the poller spinning
+            passes = cs.stats()["poll_passes"]
+            busy = await _gil_takes()
+            assert cs.stats()["poll_passes"] - passes > 100  # it did spin meanwhile
+            latch.release()
+        assert busy < held / 2, (busy, held, idle)
+        np.testing.assert_array_equal(ops.to_host(t.array), 1.0)
+    finally:
+        latch.release()
+        cs.configure(poll=cs.PollPolicy())
+
+
 # -- blocking and validation ----------------------------------------------------
 
 
