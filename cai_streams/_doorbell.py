@@ -116,12 +116,18 @@ MAX_FDS: Final = 128
 SETTLE_EVERY: Final = 0.05
 
 #: seconds a poller that never sleeps (spin passes, the low-latency policy)
-#: runs between two releases of the GIL long enough for another thread to take
-#: it (``time.sleep(0)``: about 75 µs on Linux). The loop's own turns release it
-#: too briefly to be won, and reset the 5 ms after which CPython makes the
-#: holder hand it over: a thread waiting for the GIL beside a spinning poller
-#: waited 5 ms or more per take (100 took 0.5-1.4 s under trio).
+#: runs at least between two releases of the GIL long enough for a waiting
+#: thread to take it (``time.sleep(0)``). The loop's own turns release it too
+#: briefly to be won, and restart the switch interval (5 ms) after which
+#: CPython makes the holder hand it over: a thread waiting for the GIL beside
+#: a spinning poller waited 5 ms or more per take (100 took 0.5-1.4 s under
+#: trio). A release blocks the loop until the GIL comes back: about 75 µs
+#: beside a thread that takes it briefly (a driver call), up to the switch
+#: interval beside one running Python, which gets the GIL by itself (it wins
+#: the loop's brief releases); the poller then runs ``GIL_SHARE_BACKOFF`` times
+#: as long before the next, so a release costs its loop at most about a tenth.
 GIL_SHARE_EVERY: Final = 0.001
+GIL_SHARE_BACKOFF: Final = 10
 
 
 class BellState(enum.Enum):
@@ -720,8 +726,10 @@ class PollerBells:
         self._wake: Callable[[], object] | None = None
         #: sleeps at most its argument; True if the time ran out
         self._napper: Callable[[float], Awaitable[bool]] | None = None
-        #: when the poller last let go of the GIL for long enough (perf_counter)
-        self._gil_shared = 0.0
+        #: the poller lets go of the GIL for another thread not before this
+        #: (perf_counter): ``GIL_SHARE_EVERY`` after a sleep or a release, or
+        #: ``GIL_SHARE_BACKOFF`` times as long as that release took
+        self._gil_share_at = 0.0
         self._woken = Woken.NO
         #: the next heads of streams whose bell rang: armed by the poller task
         #: in its next sleep, so that the waiters the ring woke resume first
@@ -965,7 +973,7 @@ class PollerBells:
             delay = max(delay, fallback)
         woken: Woken = self._woken
         if delay <= 0 or woken is not Woken.NO:  # no sleep: a turn of the loop
-            self._share_gil()
+            self.share_gil()
         if woken is Woken.NO:
             self._nap = Nap.COVERED if covered else Nap.POLLING
             try:
@@ -974,20 +982,22 @@ class PollerBells:
                 self._nap = Nap.AWAKE
                 woken, self._woken = self._woken, Woken.NO
             if timed_out and delay > 0:  # it let go of the GIL meanwhile
-                self._gil_shared = time.perf_counter()
+                self._gil_share_at = time.perf_counter() + GIL_SHARE_EVERY
             # a pass that is due is a full one, whatever rang meanwhile
             return Woken.PASS if timed_out or woken is Woken.NO else woken
         self._woken = Woken.NO
         await anyio.lowlevel.checkpoint()
         return woken
 
-    def _share_gil(self) -> None:
-        """Between passes that do not sleep: once every ``GIL_SHARE_EVERY``,
-        let a thread waiting for the GIL take it. Blocks about 75 µs then."""
+    def share_gil(self) -> None:
+        """Between passes that do not sleep: at most once every
+        ``GIL_SHARE_EVERY``, let a thread waiting for the GIL take it. Blocks
+        until the GIL comes back then (see ``GIL_SHARE_EVERY``)."""
         now = time.perf_counter()
-        if now - self._gil_shared >= GIL_SHARE_EVERY:
+        if now >= self._gil_share_at:
             time.sleep(0)
-            self._gil_shared = time.perf_counter()
+            end = time.perf_counter()
+            self._gil_share_at = end + max(GIL_SHARE_EVERY, GIL_SHARE_BACKOFF * (end - now))
 
     def _bind_nap(self) -> Callable[[float], Awaitable[bool]]:
         """The event loop's own sleep that ``_wake`` ends early: a future and a
@@ -1000,7 +1010,7 @@ class PollerBells:
             async def nap(delay: float) -> bool:
                 if delay <= 0:  # a turn of the loop (an Event under an expired
                     await trio.lowlevel.checkpoint()  # deadline costs three)
-                    return True
+                    return self._woken is Woken.NO  # (a bell may ring meanwhile)
                 event = trio.Event()
                 self._wake = event.set
                 try:
