@@ -36,6 +36,7 @@ __all__ = [
     "StreamId",
     "backend_serial",
     "is_open",
+    "name_stream",
     "stream_id_now",
     "thread_name",
     "thread_serial",
@@ -88,7 +89,8 @@ class StreamId:
             return "stream 0x1 (legacy default)"
         if self.handle == PER_THREAD_DEFAULT_STREAM:
             return f"stream 0x2 (per-thread default of thread {thread_name(self.thread)})"
-        return f"stream {self.handle:#x}"
+        role = _roles.get(self.generation, "stream") if self.generation > 0 else "stream"
+        return f"{role} {self.handle:#x}"
 
     def __repr__(self) -> str:
         return (
@@ -237,6 +239,7 @@ class Lifetime:
         self.closed = True
         with _lock:
             _open_generations.discard(self.generation)
+            _roles.pop(self.generation, None)
             if _owned.get(self.key) is self:
                 del _owned[self.key]
 
@@ -258,6 +261,19 @@ def new_lifetime(backend: Backend, device: int, handle: int) -> Lifetime:
         _owned[key] = lifetime
         _open_generations.add(lifetime.generation)
     return lifetime
+
+
+#: what the library's own streams are, by generation (while open): messages
+#: name them so ("cai_streams' export stream 0x..."), not by a handle alone
+_roles: dict[int, str] = {}
+
+
+def name_stream(key: StreamId, role: str) -> None:
+    """Name, in messages, a stream this library made (and still has open) by
+    ``role``, a noun phrase ending in "stream". Does not block."""
+    with _lock:
+        if key.generation in _open_generations:
+            _roles[key.generation] = role
 
 
 def is_open(key: StreamId) -> bool:

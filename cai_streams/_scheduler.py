@@ -25,7 +25,7 @@ from ._errors import CaptureError, CudaError
 from ._events import pool_for, pools_of, record_asked, registered
 from ._hold_table import table as holds
 from ._hold_table import tick as release_holds
-from ._identity import StreamId, stream_id_now, thread_serial
+from ._identity import StreamId, name_stream, stream_id_now, thread_serial
 from ._interface import ArrayView, byte_runs
 from ._pending import PendingWork
 from ._poller import counters as poll_counters
@@ -71,7 +71,9 @@ class _Spares:
                 return s
             with sched.lock:  # (still busy: a timed-out or cancelled consume's, say)
                 self._kept.append(s)
-        return Stream._on(sched.backend, sched.device)
+        s = Stream._on(sched.backend, sched.device)
+        name_stream(s._key(), "cai_streams' merge stream")
+        return s
 
     def give(self, s: Stream) -> None:
         """``s``, from :meth:`take`, is free again (its work may still run)."""
@@ -114,6 +116,7 @@ class Scheduler:
             with self.lock:
                 if self._export_stream is None:
                     self._export_stream = Stream._on(self.backend, self.device)
+                    name_stream(self._export_stream._key(), "cai_streams' export stream")
                 stream = self._export_stream
         return stream
 

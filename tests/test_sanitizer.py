@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import cai_streams as cs
-from cai_streams import _sanitizer, sim
+from cai_streams import _identity, _sanitizer, sim
 
 from .device_ops import SimOps
 
@@ -277,6 +277,35 @@ def test_the_message_names_both_sides_and_the_fix() -> None:
     assert first.actor != second.actor
     assert first.site == f"tests/{HERE}:{w.__code__.co_firstlineno + 1}"  # the launch
     assert "cs.export()" in str(info.value)
+
+
+def test_the_message_names_the_librarys_own_streams_for_what_they_are() -> None:
+    """A consumer's read on the export stream, then a write on another stream
+    not ordered after it: the message names "cai_streams' export stream",
+    which the user never made (it named a bare handle). A name goes with its
+    stream's close: the next stream given the handle is named plainly."""
+    t = cs.track(sim.empty(64))
+    s = cs.Stream()
+    with t.writing(s):
+        w(s, t.array)
+    export = cs.Stream.wrap(t.__cuda_array_interface__["stream"])
+    r(export, t.array)
+    s.synchronize()
+    with pytest.raises(cs.HazardError) as info:
+        w(cs.Stream(), t.array)
+    assert f"read of 256 bytes at {t.array.ptr:#x} by cai_streams' export stream 0x" in str(
+        info.value
+    ), info.value
+    key = t.export_stream._key()
+    assert key.describe() == f"cai_streams' export stream {key.handle:#x}"
+    mine = cs.Stream()
+    mine_key = mine._key()
+    _identity.name_stream(mine_key, "a named stream")
+    assert mine_key.describe() == f"a named stream {mine.handle:#x}"
+    mine.close()
+    assert mine_key.describe() == f"stream {mine_key.handle:#x}"
+    again = cs.Stream()  # (its handle, likely the same, names a stream of the user's)
+    assert again._key().describe() == f"stream {again.handle:#x}"
 
 
 # -- correct programs are never flagged -------------------------------------------
