@@ -62,6 +62,7 @@ import enum
 import functools
 import os
 import stat
+import sys
 import threading
 import time
 import warnings
@@ -87,6 +88,7 @@ __all__ = [
     "PollerBells",
     "WakeMode",
     "counters",
+    "gil_shares",
 ]
 
 #: how a waiter is woken: by a bell where one can be armed ("doorbell"), by
@@ -122,12 +124,26 @@ SETTLE_EVERY: Final = 0.05
 #: CPython makes the holder hand it over: a thread waiting for the GIL beside
 #: a spinning poller waited 5 ms or more per take (100 took 0.5-1.4 s under
 #: trio). A release blocks the loop until the GIL comes back: about 75 µs
-#: beside a thread that takes it briefly (a driver call), up to the switch
-#: interval beside one running Python, which gets the GIL by itself (it wins
-#: the loop's brief releases); the poller then runs ``GIL_SHARE_BACKOFF`` times
-#: as long before the next, so a release costs its loop at most about a tenth.
+#: beside a thread that takes it briefly (a driver call), about the switch
+#: interval beside one running Python (which wins the loop's brief releases
+#: by itself), longer beside one in a long C call. The next release then waits
+#: ``GIL_SHARE_BACKOFF`` times as long as that one took, at most that many
+#: switch intervals, so a release costs its loop about a tenth at most.
 GIL_SHARE_EVERY: Final = 0.001
 GIL_SHARE_BACKOFF: Final = 10
+
+
+class _GilShares:
+    """How many times pollers let go of the GIL for other threads
+    (``cs.stats()["poll_gil_shares"]``)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+gil_shares = _GilShares()
 
 
 class BellState(enum.Enum):
@@ -728,7 +744,8 @@ class PollerBells:
         self._napper: Callable[[float], Awaitable[bool]] | None = None
         #: the poller lets go of the GIL for another thread not before this
         #: (perf_counter): ``GIL_SHARE_EVERY`` after a sleep or a release, or
-        #: ``GIL_SHARE_BACKOFF`` times as long as that release took
+        #: ``GIL_SHARE_BACKOFF`` times as long as that release took (at most
+        #: that many switch intervals)
         self._gil_share_at = 0.0
         self._woken = Woken.NO
         #: the next heads of streams whose bell rang: armed by the poller task
@@ -995,9 +1012,11 @@ class PollerBells:
         until the GIL comes back then (see ``GIL_SHARE_EVERY``)."""
         now = time.perf_counter()
         if now >= self._gil_share_at:
+            gil_shares.count += 1
             time.sleep(0)
             end = time.perf_counter()
-            self._gil_share_at = end + max(GIL_SHARE_EVERY, GIL_SHARE_BACKOFF * (end - now))
+            took = min(end - now, sys.getswitchinterval())  # (a long C call: no longer)
+            self._gil_share_at = end + max(GIL_SHARE_EVERY, GIL_SHARE_BACKOFF * took)
 
     def _bind_nap(self) -> Callable[[float], Awaitable[bool]]:
         """The event loop's own sleep that ``_wake`` ends early: a future and a

@@ -100,8 +100,9 @@ class PollPolicy:
     does not sleep (that policy, the spin passes) lets go of the GIL once a
     millisecond, so the process's other threads still get it: that blocks its
     loop until the GIL comes back, about 75 µs beside threads that take it
-    briefly (driver calls), up to the switch interval (5 ms) beside one
-    running Python, after which it lets go ten times less often.
+    briefly (driver calls), about the switch interval (5 ms) beside one
+    running Python, longer beside one in a long C call; the next release then
+    waits ten times as long as that one took (at most ten switch intervals).
     """
 
     spin: int = 2

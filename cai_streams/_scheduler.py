@@ -20,6 +20,7 @@ from . import _capture_guard, _observe
 from ._access import Counters
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, current_backend
 from ._device import OnDevice
+from ._doorbell import gil_shares
 from ._doorbell import stats as doorbell_stats
 from ._errors import CaptureError, CudaError
 from ._events import pool_for, pools_of, record_asked, registered
@@ -401,8 +402,10 @@ def stats() -> dict[str, int]:
     now), ``joins`` (export waits), ``waits`` (waits made by blocks and
     consumers), ``waits_elided`` (pending work found complete), ``exports``,
     ``tracked`` (buffers with tracked state); and, for the shared poller of
-    every event loop, ``poll_passes``, ``poll_queries`` (event queries made)
-    and ``poll_wakes`` (waiters woken); for the stream-ordered holds of
+    every event loop, ``poll_passes``, ``poll_queries`` (event queries made),
+    ``poll_wakes`` (waiters woken) and ``poll_gil_shares`` (times a poller,
+    or a block waiter, that does not sleep let go of the GIL so that other
+    threads get it); for the stream-ordered holds of
     every device (``cs.hold``, views handed to a stream), ``holds`` (in
     flight), ``hold_bytes`` (bytes their owners say they have), ``holds_made``,
     ``holds_released`` and ``holds_merged`` (released views whose hold was
@@ -430,6 +433,7 @@ def stats() -> dict[str, int]:
         "poll_passes": poll_counters.passes,
         "poll_queries": poll_counters.queries,
         "poll_wakes": poll_counters.wakes,
+        "poll_gil_shares": gil_shares.count,
         "events_created": sum(p.created for p in pools),
         "events_acquired": sum(p.acquired for p in pools),
         "events_pooled": sum(p.free for p in pools),
