@@ -550,6 +550,36 @@ async def test_a_policy_set_while_a_waiter_is_parked_is_followed_from_the_next_p
         cs.configure(poll=cs.PollPolicy())
 
 
+def _pending_write(
+    ops: DeviceOps, waiting_for: str
+) -> tuple[cs.TrackedArray, Any, threading.Event, threading.Thread]:
+    """A tracked array whose write of 1.0 on a new stream is pending behind a
+    latch: ``"kernel"``, written in a block of this thread (the caller releases
+    the latch); ``"writing() block"``, in another thread's block still open
+    (the latch released; the caller ends the block by setting the event, and
+    joins the thread)."""
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(8, "float32")))
+    latch = ops.latch(s)
+    opened, end = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with t.writing(s):
+            ops.fill(s, t.array, 1.0)
+            opened.set()
+            end.wait(30)
+
+    th = threading.Thread(target=writer)
+    if waiting_for == "writing() block":
+        th.start()
+        assert opened.wait(10)
+        latch.release()
+    else:
+        with t.writing(s):
+            ops.fill(s, t.array, 1.0)
+    return t, latch, end, th
+
+
 @pytest.mark.parametrize("waiting_for", ["kernel", "writing() block"])
 async def test_a_new_policy_ends_a_sleep_of_the_old_one_at_once(
     ops: DeviceOps, waiting_for: str
@@ -560,25 +590,7 @@ async def test_a_new_policy_ends_a_sleep_of_the_old_one_at_once(
     0.2 s after the switch (it slept out the 4 s). Both the poller's sleep
     and a wait for another thread's ``writing()`` block follow the switch."""
     slow = cs.PollPolicy(spin=0, first=4.0, cap=4.0, wake="poll")
-    s = cs.Stream()
-    t = cs.track(ops.array(np.zeros(8, "float32")))
-    latch = ops.latch(s)
-    opened, end = threading.Event(), threading.Event()
-
-    def writer() -> None:  # another thread's block, ended 0.2 s after the switch
-        with t.writing(s):
-            ops.fill(s, t.array, 1.0)
-            opened.set()
-            end.wait(10)
-
-    th = threading.Thread(target=writer)
-    if waiting_for == "writing() block":
-        th.start()
-        assert opened.wait(10)
-        latch.release()
-    else:
-        with t.writing(s):
-            ops.fill(s, t.array, 1.0)
+    t, latch, end, th = _pending_write(ops, waiting_for)  # the block ends 0.2 s after the switch
     try:
         cs.configure(poll=slow)
         async with anyio.create_task_group() as tg:
@@ -658,25 +670,7 @@ async def _gil_takes_beside_a_spinning_consumer(
     ops: DeviceOps, waiting_for: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     idle = await _gil_takes()
-    s = cs.Stream()
-    t = cs.track(ops.array(np.zeros(8, "float32")))
-    latch = ops.latch(s)
-    opened, end = threading.Event(), threading.Event()
-
-    def writer() -> None:  # another thread's block, ended once measured
-        with t.writing(s):
-            ops.fill(s, t.array, 1.0)
-            opened.set()
-            end.wait(30)
-
-    th = threading.Thread(target=writer)
-    if waiting_for == "writing() block":
-        th.start()
-        assert opened.wait(10)
-        latch.release()
-    else:
-        with t.writing(s):
-            ops.fill(s, t.array, 1.0)
+    t, latch, end, th = _pending_write(ops, waiting_for)  # the block ends once measured
     cs.configure(poll=cs.PollPolicy.low_latency())
     share = _doorbell.PollerBells.share_gil
     shared: list[float] = []
