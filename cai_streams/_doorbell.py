@@ -122,7 +122,7 @@ SETTLE_EVERY: Final = 0.05
 #: thread to take it (``time.sleep(0)``). The loop's own turns release it too
 #: briefly to be won, and restart the switch interval (5 ms) after which
 #: CPython makes the holder hand it over: a thread waiting for the GIL beside
-#: a spinning poller waited 5 ms or more per take (100 took 0.5-1.4 s under
+#: a spinning poller waited 5 ms or more per take (100 took 0.5-3.7 s under
 #: trio). A release blocks the loop until the GIL comes back: about 75 µs
 #: beside a thread that takes it briefly (a driver call), about the switch
 #: interval beside one running Python (which wins the loop's brief releases
