@@ -43,8 +43,9 @@ class _Spares:
     out a kept one that a query finds idle, asking at most ``SPARE_QUERIES``
     of them, else a new one: whoever takes it waits for its own work alone."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Scheduler, role: str) -> None:
         self._sched = sched
+        self._role = role  # how messages name them
         self._kept: deque[Stream] = deque()
 
     def __len__(self) -> int:
@@ -73,7 +74,7 @@ class _Spares:
             with sched.lock:  # (still busy: a timed-out or cancelled consume's, say)
                 self._kept.append(s)
         s = Stream._on(sched.backend, sched.device)
-        name_stream(s._key(), "cai_streams' merge stream")
+        name_stream(s._key(), self._role)
         return s
 
     def give(self, s: Stream) -> None:
@@ -105,10 +106,10 @@ class Scheduler:
         self._export_stream: Stream | None = None
         #: streams of this device the library made for DLPack host consumes,
         #: kept for the next (see :meth:`landing`)
-        self._landings = _Spares(self)
+        self._landings = _Spares(self, "cai_streams' landing stream")
         #: streams of the library's on which accesses on another library's
         #: streams are merged (:meth:`merging`), kept for the next
-        self._merges = _Spares(self)
+        self._merges = _Spares(self, "cai_streams' merge stream")
 
     @property
     def export_stream(self) -> Stream:

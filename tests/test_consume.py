@@ -623,6 +623,19 @@ async def test_a_new_policy_ends_a_sleep_of_the_old_one_at_once(
 _TAKES, _SWITCH = 30, 0.02
 
 
+_sleep = time.sleep
+#: the thread of the event loop the tests run in (pytest's, for each runner)
+_loop_thread = threading.get_ident()
+
+
+def _counting_sleep(released: list[float], seconds: float) -> None:
+    """``time.sleep``, counting the releases of the GIL (sleeps of 0) that
+    the event loop's thread makes."""
+    if seconds == 0 and threading.get_ident() == _loop_thread:
+        released.append(seconds)
+    _sleep(seconds)
+
+
 async def _gil_takes() -> float:
     """Seconds another thread takes to give up the GIL and take it back
     ``_TAKES`` times (as a lock wait or a driver call does) while this loop
@@ -658,7 +671,8 @@ async def test_a_busy_poller_lets_other_threads_take_the_gil(
     Whether the brief turns are lost is up to the machine: where the control
     shows no starvation (asyncio's turns are mostly won, as are trio's on a
     loaded machine), there is nothing to compare, and the test skips after
-    checking only that the spin lets go of the GIL (``poll_gil_shares``)."""
+    checking only that the spin lets go of the GIL: ``poll_gil_shares``
+    grows, and the loop's thread makes as many ``time.sleep(0)``."""
     switch = sys.getswitchinterval()
     sys.setswitchinterval(_SWITCH)
     try:
@@ -681,8 +695,13 @@ async def _gil_takes_beside_a_spinning_consumer(
             tg.start_soon(functools.partial(cs.consume, t, timeout=60))
             await anyio.sleep(0.05)  # parked, spinning
             before = cs.stats()["poll_gil_shares"]
+            released: list[float] = []
+            monkeypatch.setattr(time, "sleep", functools.partial(_counting_sleep, released))
             await anyio.sleep(0.3)
-            assert cs.stats()["poll_gil_shares"] > before  # it lets go (idle: once a ms)
+            monkeypatch.setattr(time, "sleep", _sleep)
+            shares = cs.stats()["poll_gil_shares"] - before
+            assert shares > 0  # it lets go (idle: once a ms), each time for real:
+            assert len(released) == shares, (released, shares)
             for _ in range(3):
                 monkeypatch.setattr(_doorbell.PollerBells, "share_gil", lambda self: None)
                 unshared.append(await _gil_takes())  # the control

@@ -905,7 +905,8 @@ def test_a_dlpack_host_consume_waits_for_its_producer_only(
     export stream (as before), which waits for that unrelated write: the
     consume times out."""
     sched = cs._scheduler.scheduler_for(cs.current_backend())
-    monkeypatch.setattr(sched, "_landings", _Spares(sched))  # (none kept by earlier tests)
+    spares = _Spares(sched, "cai_streams' landing stream")  # (none kept by earlier tests)
+    monkeypatch.setattr(sched, "_landings", spares)
     if not own:
         monkeypatch.setattr(type(sched), "landing", lambda self: self.export_stream)
         monkeypatch.setattr(type(sched), "landed", lambda self, s: None)
@@ -926,9 +927,11 @@ def test_a_dlpack_host_consume_waits_for_its_producer_only(
             got = sim._numpy_view(view)
             assert got is not None and (got == [0, 2, 4, 6]).all()
         assert len({call["stream"] for call in producer.calls}) == 1  # taken and given back
+        (landing,) = spares._kept
+        assert landing._key().describe() == f"cai_streams' landing stream {landing.handle:#x}"
         del view, got
     else:
-        with pytest.raises(TimeoutError):
+        with pytest.raises(TimeoutError, match="pending on cai_streams' export stream 0x"):
             cs.consume_blocking(producer, timeout=0.2, protocol="dlpack")
     slow.synchronize()
 
