@@ -80,7 +80,7 @@ class Trace(Observer):
             return "stream 0x1 (legacy)"
         if key.handle == 2:
             return f"stream 0x2 ({thread_name(key.thread)})"
-        return f"stream {key.handle:#x}"
+        return key.describe()  # ("cai_streams' export stream 0x...": the library's own)
 
     def kernel(
         self, backend: Backend, stream: int, fn: Callable[[], object], name: str

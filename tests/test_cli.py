@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import cai_streams as cs
+from cai_streams import sim
 from cai_streams.__main__ import main
 
 
@@ -65,6 +66,20 @@ def test_name_stream_takes_what_stream_wrap_takes_and_refuses_the_rest() -> None
         with pytest.raises(TypeError, match="cannot use str as a stream"):
             recording.name_stream("x", "label")
     assert "mine (" in recording._track(s._key())
+
+
+def test_a_trace_names_the_librarys_own_streams_as_messages_do() -> None:
+    """The export stream's track was a bare handle the user never made."""
+    cs.use_backend("sim")
+    s = cs.Stream()
+    t = cs.track(sim.empty(8))
+    with cs.trace() as recording:
+        with t.writing(s):
+            sim.launch(s, lambda x: x.fill(1), t.array, writes=[t.array])
+        export = t.__cuda_array_interface__["stream"]
+        cs.consume_blocking(t, timeout=10)
+    tracks = {m[0] for m in recording.marks} | {span.track for span in recording.spans}
+    assert tracks == {f"stream {s.handle:#x}", f"cai_streams' export stream {export:#x}"}
 
 
 @pytest.mark.parametrize("option", ["--batches", "--buffers"])
