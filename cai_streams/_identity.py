@@ -89,8 +89,7 @@ class StreamId:
             return "stream 0x1 (legacy default)"
         if self.handle == PER_THREAD_DEFAULT_STREAM:
             return f"stream 0x2 (per-thread default of thread {thread_name(self.thread)})"
-        role = _roles.get(self.generation, "stream") if self.generation > 0 else "stream"
-        return f"{role} {self.handle:#x}"
+        return f"{_roles.get(self.generation, 'stream')} {self.handle:#x}"  # (only open ones)
 
     def __repr__(self) -> str:
         return (
