@@ -80,6 +80,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -205,7 +206,9 @@ def _close_pipe(pipe: _Pipe) -> None:
 
 
 async def _blocking(event: cs.Event, stream: cs.Stream) -> None:
-    stream.synchronize()
+    with warnings.catch_warnings():  # (the peer that stalls the loop, on purpose)
+        warnings.simplefilter("ignore", cs.LoopBlockingWarning)
+        stream.synchronize()
 
 
 def thread_limiter_size() -> int:

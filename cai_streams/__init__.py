@@ -28,6 +28,7 @@ from ._errors import HazardError as HazardError
 from ._errors import HoldWarning as HoldWarning
 from ._errors import InterfaceError as InterfaceError
 from ._errors import KernelError as KernelError
+from ._errors import LoopBlockingWarning as LoopBlockingWarning
 from ._hold import hold as hold
 from ._interface import ArrayView as ArrayView
 from ._interface import parse as read_interface
@@ -58,6 +59,7 @@ __all__ = (
     "HoldWarning",
     "InterfaceError",
     "KernelError",
+    "LoopBlockingWarning",
     "PollPolicy",
     "Stream",
     "Trace",

@@ -19,6 +19,7 @@ import anyio.lowlevel
 from ._access import Access, Kind
 from ._errors import KernelError
 from ._identity import StreamId
+from ._loop_thread import warn_if_loop_blocked
 from ._poller import policy_sleep, poll_policy
 from ._running import current_task_id
 from ._stream import Stream
@@ -132,6 +133,8 @@ def wait_block_sync(block: OpenBlock, me: Owner, deadline: float, what: str) -> 
             f"{what} of an array while another task of this thread holds a "
             f"{block.name} block of it across an await: waiting here would never end. {fix}"
         )
+    if not block.done.is_set():
+        warn_if_loop_blocked(f"{what} waited for another thread's {block.name} block", None)
     while (left := deadline - time.monotonic()) > 0:
         if block.done.wait(min(left, threading.TIMEOUT_MAX)):  # (timeout=inf: the longest)
             return

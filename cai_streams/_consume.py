@@ -741,7 +741,8 @@ def consume_blocking(
     ``timeout`` seconds, then :class:`TimeoutError`); ``stream=s`` only
     enqueues GPU work, as in :func:`consume` (it may block while another
     thread holds a ``writing()`` block of a tracked array). Never call it
-    from a coroutine.
+    from a coroutine: about to wait in an event loop's thread, it gives
+    :class:`~cai_streams.LoopBlockingWarning`.
     """
     timeout = check_timeout(timeout)
     check_protocol(protocol)

@@ -161,7 +161,7 @@ async def data_loading_pipeline(
     if out is not None:
         out.write("\n")
     for s in (*copies, compute):
-        s.synchronize()
+        await s.record().wait()
     after = stats()
     result.overlap = recording.overlap()
     result.events_created = after["events_created"] - before["events_created"]

@@ -98,6 +98,21 @@ class CudaWarning(RuntimeWarning):
     """
 
 
+class LoopBlockingWarning(RuntimeWarning):
+    """A blocking call waited in a thread that runs an event loop.
+
+    Given when :func:`~cai_streams.consume_blocking`, ``Stream.synchronize()``
+    or ``Event.synchronize()`` is about to wait for GPU work that is still
+    pending, or for another thread's ``writing()`` block, in the thread of a
+    running asyncio (uvloop included) or trio loop: every task and callback of
+    that loop waits with it. The message names the awaitable to use instead.
+    It is a warning, not an error, because a blocking wait there is sometimes
+    meant (a short script, a test); filter it with :mod:`warnings` where it is.
+    Nothing is given when the work is already complete, so the check costs
+    nothing on that path.
+    """
+
+
 class HoldWarning(ResourceWarning):
     """Stream-ordered holds past ``hold_limit_count`` or ``hold_limit_bytes``.
 

@@ -54,6 +54,7 @@ from ._doorbell import (
 )
 from ._events import Mark
 from ._identity import StreamId, order_known
+from ._loop_thread import loop_running, warn_if_loop_blocked
 from ._observe import saw_complete
 from ._sanitizer_threads import unseen
 
@@ -775,6 +776,13 @@ def wait_blocking(
     timeout = check_timeout(timeout)
     try:
         with _capture_guard.relaxed(backend):
+            if loop_running() is not None:  # (only then: a query more per wait)
+                events = [e for e in events if not backend.query(e[0])]
+                if not events:
+                    return
+                warn_if_loop_blocked(
+                    "consume_blocking() waited for pending GPU work", "`await cs.consume()`"
+                )
             _wait_blocking(backend, events, timeout, timeout if given is None else given)
     except BaseException:
         keepalive = None  # a kept traceback keeps this frame, not what it kept

@@ -34,6 +34,7 @@ from ._identity import (
     stream_id_now,
     thread_serial,
 )
+from ._loop_thread import loop_running, warn_if_loop_blocked
 from ._poller import wait_for_event
 from ._unique import Unique
 
@@ -113,6 +114,16 @@ def _int_of(obj: object) -> int | None:
         return int(value)  # type: ignore[call-overload, no-any-return]
     except TypeError:
         return None
+
+
+def _done(query: Callable[[int], bool], handle: int) -> bool:
+    """Whether a synchronize of ``handle`` would return at once, asked before
+    it waits in an event loop's thread; a query that fails says yes, and the
+    synchronize raises its own error."""
+    try:
+        return query(handle)
+    except CudaError:
+        return True
 
 
 class Stream(Unique):
@@ -413,8 +424,15 @@ class Stream(Unique):
     def synchronize(self) -> None:
         """Block the calling thread until all work on this stream is done.
 
-        Blocks: in async code use ``await stream.record().wait()`` instead.
+        Blocks: in async code use ``await stream.record().wait()`` instead
+        (called with work pending in an event loop's thread, it gives
+        :class:`~cai_streams.LoopBlockingWarning`).
         """
+        if loop_running() is not None and not _done(self._backend.query_stream, self.handle):
+            warn_if_loop_blocked(
+                "Stream.synchronize() waited for pending GPU work",
+                "`await stream.record().wait()`",
+            )
         self._backend.synchronize_stream(self.handle)
 
     def close(self) -> None:
@@ -716,7 +734,16 @@ class Event(Unique):
         return self._backend.query(self.handle)
 
     def synchronize(self) -> None:
-        """Block the calling thread until the work before this event is done."""
+        """Block the calling thread until the work before this event is done.
+
+        Blocks: in async code use ``await event.wait()`` instead (called with
+        the work pending in an event loop's thread, it gives
+        :class:`~cai_streams.LoopBlockingWarning`).
+        """
+        if loop_running() is not None and not _done(self._backend.query, self.handle):
+            warn_if_loop_blocked(
+                "Event.synchronize() waited for pending GPU work", "`await event.wait()`"
+            )
         self._backend.synchronize_event(self.handle)
 
     async def wait(self, *, timeout: float | None = None) -> None:

@@ -15,6 +15,7 @@ import argparse
 import gc
 import random
 import time
+import warnings
 from functools import partial
 from typing import Any
 
@@ -39,7 +40,9 @@ async def serve(requests: int, *, blocking: bool) -> tuple[float, int]:
         sim.launch(s, lambda x: x.fill(request), out, writes=[out], duration=rng.uniform(0, 0.004))
         data: np.ndarray[Any, Any]
         if blocking:
-            s.synchronize()  # what a plain CuPy or Numba consumer does: the loop stalls
+            with warnings.catch_warnings():  # (it stalls on purpose, for the comparison)
+                warnings.simplefilter("ignore", cs.LoopBlockingWarning)
+                s.synchronize()  # what a plain CuPy or Numba consumer does: the loop stalls
             data = out.to_host(stream=s)
         else:
             view = await cs.consume(out, timeout=30)
