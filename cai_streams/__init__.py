@@ -24,6 +24,7 @@ from ._errors import CaiStreamsError as CaiStreamsError
 from ._errors import CaptureError as CaptureError
 from ._errors import CudaError as CudaError
 from ._errors import CudaWarning as CudaWarning
+from ._errors import DeviceFaultError as DeviceFaultError
 from ._errors import HazardError as HazardError
 from ._errors import HoldWarning as HoldWarning
 from ._errors import InterfaceError as InterfaceError
@@ -53,6 +54,7 @@ __all__ = (
     "CaptureError",
     "CudaError",
     "CudaWarning",
+    "DeviceFaultError",
     "Event",
     "Graph",
     "HazardError",

@@ -26,7 +26,7 @@ from typing import Protocol
 from . import _capture, _capture_guard
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend
 from ._device import OnDevice
-from ._errors import CaptureError, KernelError
+from ._errors import CaptureError, DeviceFaultError
 from ._events import EventPool, Mark, pool_for, record
 from ._identity import StreamId, thread_serial
 from ._stream import Stream
@@ -259,7 +259,7 @@ class Access:
             if self.state is AccessState.LAZY:
                 try:
                     self.materialize()
-                except KernelError:
+                except DeviceFaultError:
                     # The device faulted: nothing the consumer enqueued runs
                     # any more (on the simulator, not even after a reset), and
                     # the stream is going. Kept lazy, the read would name a

@@ -17,7 +17,7 @@ import anyio
 import anyio.lowlevel
 
 from ._access import Access, Kind
-from ._errors import KernelError
+from ._errors import DeviceFaultError, KernelError
 from ._identity import StreamId
 from ._loop_thread import warn_if_loop_blocked
 from ._poller import policy_sleep, poll_policy
@@ -37,11 +37,15 @@ def current_owner() -> Owner:
     return (threading.get_ident(), current_task_id())
 
 
-def fault_again(fault: KernelError) -> KernelError:
-    """A fresh ``KernelError`` for ``fault``, to raise once more: one instance
-    raised again and again would keep every frame it passed through (and so
-    their arrays) in its traceback, and be shared between threads."""
-    return KernelError(fault.kernel, fault.stream, fault.__cause__ or fault)
+def fault_again(fault: DeviceFaultError) -> DeviceFaultError:
+    """A fresh error for device fault ``fault``, to raise once more: one
+    instance raised again and again would keep every frame it passed through
+    (and so their arrays) in its traceback, and be shared between threads."""
+    if isinstance(fault, KernelError):
+        return KernelError(fault.kernel, fault.stream, fault.__cause__ or fault)
+    again = DeviceFaultError(fault.code, fault.name, fault.detail)
+    again.__cause__ = fault.__cause__
+    return again
 
 
 class OpenBlock:
@@ -105,7 +109,7 @@ class OpenBlock:
         #: can be enqueued there after): its exit adds this one (``_pending``);
         #: or the device's fault that made that record fail: its exit adds
         #: nothing and raises it (none of the block's work runs)
-        self.at_close: Access | KernelError | None = None
+        self.at_close: Access | DeviceFaultError | None = None
         self.done = threading.Event()
 
     def conflicts(self, kind: Kind, disjoint: bool) -> bool:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Final, Protocol, TypeVar
 
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Backend, CaptureMode
 from ._device import make_current
-from ._errors import CaptureError, CudaError, KernelError
+from ._errors import CaptureError, CudaError, DeviceFaultError
 from ._identity import StreamId, is_open, thread_serial
 
 if TYPE_CHECKING:
@@ -234,7 +234,7 @@ def taken_or_complete(backend: Backend, event: int) -> bool:
     try:
         return query_event(backend, event)
     except CudaError as exc:
-        if exc.code in TAKEN_BY_A_CAPTURE and not isinstance(exc, KernelError):
+        if exc.code in TAKEN_BY_A_CAPTURE and not isinstance(exc, DeviceFaultError):
             return True
         raise
 

@@ -7,10 +7,12 @@ __all__ = [
     "CaptureError",
     "CudaError",
     "CudaWarning",
+    "DeviceFaultError",
     "HazardError",
     "HoldWarning",
     "InterfaceError",
     "KernelError",
+    "LoopBlockingWarning",
 ]
 
 
@@ -36,9 +38,24 @@ class CudaError(CaiStreamsError, RuntimeError):
         super().__init__(f"{name} ({code}): {message}")
         self.code = code
         self.name = name
+        #: the message without the name and code
+        self.detail = message
 
 
-class KernelError(CudaError):
+class DeviceFaultError(CudaError):
+    """The device faulted, and every later call on it fails the same way.
+
+    On a GPU, the driver's errors that leave the context unusable until the
+    process restarts: ``cudaErrorIllegalAddress`` (700),
+    ``cudaErrorLaunchTimeout`` (702), ``cudaErrorAssert`` (710),
+    ``cudaErrorHardwareStackError`` (714) through ``cudaErrorLaunchFailure``
+    (719), and ``cudaErrorExternalDevice`` (911). On the simulator, a
+    :class:`KernelError` (a subclass). Catch this one to handle a fault the
+    same way on both.
+    """
+
+
+class KernelError(DeviceFaultError):
     """A kernel faulted; the simulated device's launch failure.
 
     The fault is sticky for its device, as a device-side fault is on a GPU:

@@ -47,7 +47,7 @@ from . import _capture_guard, _observe
 from ._backend import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, current_backend
 from ._deferred import in_collection, later
 from ._device import OnDevice
-from ._errors import CaptureError, CudaError, CudaWarning, KernelError
+from ._errors import CaptureError, CudaError, CudaWarning, DeviceFaultError
 from ._events import EventPool, Mark, lone, pool_for, record
 from ._hold_table import Hold, Ranges, table, tick
 from ._identity import Lifetime, StreamId, is_open, lifetime_of, thread_serial
@@ -228,7 +228,7 @@ class _CapturedRecord:
                 mark = record(on.backend, self.event, on)
         except CaptureError:  # the legacy stream, while a blocking stream began one
             return False
-        except KernelError:  # the device faulted: the work after the fault never runs
+        except DeviceFaultError:  # the device faulted: the work after the fault never runs
             self.state = _Retry.DONE
             self._release_event()
             self._forget()
@@ -359,7 +359,7 @@ def _record_in_collection(key: StreamId, owner: object, nbytes: int, ranges: Ran
             captured = (
                 key.handle != LEGACY_DEFAULT_STREAM and backend.capture_status(key.handle) != "none"
             )
-    except KernelError:  # the device faulted: work after the fault never runs
+    except DeviceFaultError:  # the device faulted: work after the fault never runs
         return
     except CudaError as exc:
         _keep_for_good(owner, key, exc, stacklevel=3)
@@ -518,7 +518,7 @@ class _Lease:
             # waits for this lease's lock before destroying it.
             self._end(LeaseState.HELD)
             _record_hold(on, owner, self.nbytes, stacklevel=5, ranges=self.ranges)
-        except KernelError:  # the device faulted: work after the fault never runs
+        except DeviceFaultError:  # the device faulted: work after the fault never runs
             self._end(LeaseState.DROPPED)
         except CudaError as exc:  # the stream is gone: its work may still run
             self._end(LeaseState.DROPPED)

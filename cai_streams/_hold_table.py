@@ -37,7 +37,7 @@ from ._capture_guard import TAKEN_BY_A_CAPTURE
 from ._config import settings
 from ._deferred import in_collection, later, pending
 from ._deferred import run as run_deferred
-from ._errors import CudaError, HoldWarning, KernelError
+from ._errors import CudaError, DeviceFaultError, HoldWarning
 from ._events import EventPool, Mark
 from ._identity import StreamId, order_known
 from ._poller import pass_hooks
@@ -273,7 +273,7 @@ class HoldTable:
             # thread its last reference goes (``_observe.hold_released``).
             return backend.query(hold.event)
         except CudaError as exc:
-            if exc.code in TAKEN_BY_A_CAPTURE and not isinstance(exc, KernelError):
+            if exc.code in TAKEN_BY_A_CAPTURE and not isinstance(exc, DeviceFaultError):
                 hold.taken = True
             else:  # the work before it failed and will never run
                 hold.failed = True

@@ -33,7 +33,7 @@ from ._blocks import Blocked, OpenBlock, Owner, fault_again
 from ._capture_guard import StreamPhase
 from ._config import settings
 from ._device import OnDevice, view_stream_id
-from ._errors import CudaError, KernelError
+from ._errors import CudaError, DeviceFaultError
 from ._identity import Lifetime, StreamId, lifetime_of, order_known, stream_id_now
 from ._interface import ArrayView, byte_runs, stream_of
 from ._stream import Stream
@@ -268,7 +268,7 @@ class PendingWork:
         for block in self.blocks:
             if block.owner == me and block.conflicts(kind, disjoint):
                 snapshot = block.at_close
-                if isinstance(snapshot, KernelError):  # (closed on a faulted device)
+                if isinstance(snapshot, DeviceFaultError):  # (closed on a faulted device)
                     raise fault_again(snapshot)
                 if snapshot is None:  # (a stream gone without it: ValueError)
                     snapshot = self._record_block(block)
@@ -418,7 +418,7 @@ class PendingWork:
                 if block.at_close is None and lifetime is not None and lifetime.ending:
                     try:
                         block.at_close = self._record_block(block)
-                    except KernelError as exc:  # (the exit raises it too, adding nothing)
+                    except DeviceFaultError as exc:  # (the exit raises it too, adding nothing)
                         block.at_close = exc
                         errors.append(exc)
                     except Exception as exc:  # every other block records first
@@ -626,7 +626,7 @@ class PendingWork:
         whose consumer read its close recorded): nothing is added then."""
         try:
             new = block.at_close
-            if isinstance(new, KernelError):  # (its stream closed on a faulted device)
+            if isinstance(new, DeviceFaultError):  # (its stream closed on a faulted device)
                 raise fault_again(new)
             if new is None:
                 if gone_ok and not block.stream._recordable:

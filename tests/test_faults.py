@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 
 import cai_streams as cs
 from cai_streams import sim
+from cai_streams._backend import _sim_stream
 
 pytestmark = pytest.mark.anyio
 
@@ -41,6 +43,21 @@ def _on_sim() -> Iterator[None]:
     finally:
         sim.reset(0)
         cs.use_backend(previous.name)
+
+
+@pytest.fixture(params=["sim", "driver"])
+def fault_style(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``driver``: the faulted device raises what the cuda backend raises for a
+    sticky fault (a :class:`cs.DeviceFaultError` with the driver's code, no
+    kernel named), not the simulator's :class:`cs.KernelError`; the library
+    must handle both alike."""
+    if request.param == "driver":
+
+        def raise_fault(fault: cs.KernelError) -> None:
+            raise cs.DeviceFaultError(700, "cudaErrorIllegalAddress", "an illegal memory access")
+
+        monkeypatch.setattr(_sim_stream, "raise_fault", raise_fault)
+    return str(request.param)
 
 
 def _fill(x: np.ndarray[Any, Any], value: float) -> None:
@@ -137,9 +154,9 @@ async def test_a_fault_on_one_device_leaves_the_other_working() -> None:
     other.synchronize()
 
 
-def test_a_consumer_stream_closed_on_a_faulted_device_leaves_its_array_writable_after_reset() -> (
-    None
-):
+def test_a_consumer_stream_closed_on_a_faulted_device_leaves_its_array_writable_after_reset(
+    fault_style: str,
+) -> None:
     """The consumer's read is open on ``c`` when the device faults; closing
     ``c`` cannot record it (every call raises) and destroys the stream. The
     read goes with it: after a reset, the producer writes and reads again.
@@ -152,9 +169,9 @@ def test_a_consumer_stream_closed_on_a_faulted_device_leaves_its_array_writable_
         sim.launch(producer, _fill, arr, 1.0, writes=[arr], duration=0.001)
     view = cs.consume_blocking(t, stream=c, timeout=20)  # a read open on c
     sim.launch(culprit, _boom)
-    with pytest.raises(cs.KernelError):
+    with pytest.raises(cs.DeviceFaultError):
         culprit.synchronize()
-    with pytest.raises(cs.KernelError):
+    with pytest.raises(cs.DeviceFaultError):
         c.close()
     assert c.closed
     sim.reset(0)
@@ -167,7 +184,7 @@ def test_a_consumer_stream_closed_on_a_faulted_device_leaves_its_array_writable_
 
 @pytest.mark.parametrize("kind", ["writing", "reading"])
 def test_a_block_whose_stream_closed_on_a_faulted_device_raises_the_fault_at_exit(
-    kind: str,
+    kind: str, fault_style: str
 ) -> None:
     """The block's stream is closed inside it after a kernel faulted: the
     close cannot record the block (every call raises), and the exit raises
@@ -177,21 +194,48 @@ def test_a_block_whose_stream_closed_on_a_faulted_device_raises_the_fault_at_exi
     arr = sim.empty(N)
     t = cs.track(arr)
     tmp, culprit = cs.Stream(), cs.Stream()
-    with pytest.raises(cs.KernelError) as at_exit:
+    with pytest.raises(cs.DeviceFaultError) as at_exit:
         with getattr(t, kind)(tmp):
             sim.launch(culprit, _boom)
-            with pytest.raises(cs.KernelError):
+            with pytest.raises(cs.DeviceFaultError):
                 culprit.synchronize()
-            with pytest.raises(cs.KernelError) as at_close:
+            with pytest.raises(cs.DeviceFaultError) as at_close:
                 tmp.close()
     # a fresh instance: one raised again would carry every frame it passed
     assert at_exit.value is not at_close.value
+    assert type(at_exit.value) is type(at_close.value)
+    assert (at_exit.value.code, str(at_exit.value)) == (at_close.value.code, str(at_close.value))
     sim.reset(0)
     s = cs.Stream()
     with t.writing(s):
         sim.launch(s, _fill, arr, 7.0, writes=[arr], duration=0.001)
     got = cs.consume_blocking(t, timeout=20)
     np.testing.assert_array_equal(sim._numpy_view(got), 7.0)
+
+
+def test_a_view_let_go_on_a_faulted_device_lets_its_owner_go(fault_style: str) -> None:
+    """A consumer's view on ``c`` is let go after the device faulted: the
+    hold that would keep the owner until ``c`` passes the consumer's work
+    cannot be recorded, and that work never runs, so the owner goes, with no
+    warning. (With the driver's fault, a plain CudaError to the library
+    before DeviceFaultError, the owner was kept for good with a
+    CudaWarning, as for a stream that is gone while its work may still run.)"""
+    producer, culprit, c = cs.Stream(), cs.Stream(), cs.Stream()
+    arr = sim.empty(N)
+    owner = weakref.ref(arr)
+    t = cs.track(arr)
+    with t.writing(producer):
+        sim.launch(producer, _fill, arr, 1.0, writes=[arr], duration=0.001)
+    view = cs.consume_blocking(t, stream=c, timeout=20)  # the owner leased to c
+    producer.synchronize()
+    sim.launch(culprit, _boom)
+    with pytest.raises(cs.DeviceFaultError):
+        culprit.synchronize()
+    del view, t, arr
+    for _ in range(3):  # (a released view settles at a later library call)
+        gc.collect()
+        cs.stats()
+    assert owner() is None, "the owner was kept after a fault"
 
 
 async def test_work_that_failed_when_the_timeout_expires_raises_the_fault(
@@ -219,3 +263,21 @@ async def test_work_that_failed_when_the_timeout_expires_raises_the_fault(
     monkeypatch.setattr(_poller, "finished_within", gives_up)
     with pytest.raises(cs.KernelError):
         await cs.consume(t, timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("code", "sticky"),
+    [(700, True), (702, True), (710, True), (714, True), (719, True), (911, True),
+     (1, False), (400, False), (600, False), (701, False), (720, False), (901, False)],
+)  # fmt: skip
+def test_the_cuda_backend_raises_a_sticky_fault_as_a_device_fault(code: int, sticky: bool) -> None:
+    """What the library's fault handling catches on a GPU: the driver's codes
+    that leave the context unusable are DeviceFaultError (as KernelError is on
+    the simulator); every other failure stays a plain CudaError."""
+    from cai_streams._backend import _cuda
+
+    with pytest.raises(cs.CudaError) as info:
+        _cuda.check((code,), "a call")
+    assert isinstance(info.value, cs.DeviceFaultError) is sticky
+    assert not isinstance(info.value, cs.KernelError)
+    assert info.value.code == code and "(during a call)" in str(info.value)

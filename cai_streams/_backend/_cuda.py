@@ -15,7 +15,7 @@ import ctypes.util
 import threading
 from typing import Any, Final
 
-from .._errors import CudaError
+from .._errors import CudaError, DeviceFaultError
 from . import Backend, CaptureMode, CaptureStatus
 
 __all__ = ["CudaBackend", "check"]
@@ -24,6 +24,10 @@ _runtime: Any = None
 _import_lock = threading.Lock()
 _SUCCESS: Final = 0
 _NOT_READY: Final = 600  # cudaErrorNotReady
+#: the errors after which the context is unusable and every later call fails
+#: the same way (the runtime API's docs: "the process must be terminated and
+#: relaunched"): a device-side fault
+STICKY: Final = frozenset({700, 702, 710, 714, 715, 716, 717, 718, 719, 911})
 
 
 def _rt() -> Any:
@@ -47,7 +51,8 @@ def _error(code: int, during: str) -> CudaError:
         text = raw_text.decode() if isinstance(raw_text, bytes) else str(raw_text)
     except Exception:  # an unknown code still becomes a CudaError
         name, text = f"cudaError_{code}", "unknown error"
-    return CudaError(code, name, f"{text} (during {during})")
+    kind = DeviceFaultError if code in STICKY else CudaError
+    return kind(code, name, f"{text} (during {during})")
 
 
 def check(result: tuple[Any, ...], during: str) -> Any:
