@@ -29,7 +29,7 @@ from ._device import OnDevice
 from ._errors import CaptureError, DeviceFaultError
 from ._events import EventPool, Mark, pool_for, record
 from ._identity import StreamId, thread_serial
-from ._stream import Stream
+from ._stream import Stream, _KeptStream
 
 __all__ = ["Access", "AccessState", "Counters", "Kind"]
 
@@ -154,6 +154,11 @@ class Access:
         """A consumer's read on ``stream``: recorded when something must wait for
         it, if the stream allows that; else recorded now."""
         access = cls(work, Kind.READ, stream, key, False)
+        if stream._owned:
+            # Not the user's stream itself: dropped, it is collected and its
+            # close records this read (a buffer read on ever-new streams,
+            # never written, would keep every one of them alive otherwise).
+            access.stream = stream._same_stream(None, _KeptStream)
         access.serial = _capture.serial_now()
         lifetime = stream._lifetime
         if not stream._records_later() or (lifetime is not None and not lifetime.listen(access)):

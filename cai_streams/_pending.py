@@ -40,7 +40,9 @@ from ._stream import Stream
 
 __all__ = ["MAX_OPEN_READS", "PendingWork"]
 
-#: consumer reads of one buffer held open (lazy) at once; see ``_consumer_read``
+#: consumer reads of one buffer held open (lazy) at once on streams whose end
+#: the library does not see (another library's, kept alive by the read; the
+#: default streams); see ``_consumer_read``
 MAX_OPEN_READS = 32
 
 
@@ -509,11 +511,16 @@ class PendingWork:
 
     def _consumer_read(self, stream: Stream, key: StreamId) -> None:
         """What ``stream`` enqueues from now on reads the buffer. Reads found
-        complete are forgotten; beyond :data:`MAX_OPEN_READS` consumer reads
-        still open, the oldest is recorded now (so a buffer read on ever-new
-        streams, and never written, holds neither them nor events). On a
-        stream capturing a graph this library began, the read is the graph's
-        (each launch is then ordered as a ``reading()`` block is)."""
+        complete are forgotten. An open read on a stream the library made
+        ends with the stream (its close records it), however many there are;
+        beyond :data:`MAX_OPEN_READS` open reads on other streams (another
+        library's stream, which the read keeps alive; a default stream), the
+        oldest is recorded now, so a buffer read on ever-new such streams,
+        and never written, holds neither them nor events (a writer is then
+        ordered after what that consumer had enqueued by then, not after its
+        later work). On a stream capturing a graph this library began, the
+        read is the graph's (each launch is then ordered as a ``reading()``
+        block is)."""
         if _capture.any_under_way() and _capture_guard.capturing(self.backend, key) is True:
             _capture.note_captured(self, False, key)
         self._drop_complete(self.reads)
@@ -521,7 +528,9 @@ class PendingWork:
             if a.key == key and a.state is AccessState.LAZY:
                 return  # already open: it covers this consumer's work as well
         self._add(Access.lazy(self, stream, key))
-        open_reads = [a for a in self.reads if a.state is AccessState.LAZY]
+        open_reads = [
+            a for a in self.reads if a.state is AccessState.LAZY and a.stream._lifetime is None
+        ]
         excess = len(open_reads) - MAX_OPEN_READS
         for a in open_reads:  # the oldest first, skipping those whose stream captures
             if excess <= 0:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -10,6 +11,7 @@ import cai_streams as cs
 from cai_streams import _backend
 from cai_streams._backend import _backend_class
 
+from . import device_ops
 from .device_ops import DeviceOps, ops_for
 
 _CUDA_REASON = _backend_class("cuda").unavailable_reason()
@@ -53,6 +55,16 @@ def _default_backend() -> Iterator[None]:
     yield
     with _backend._lock:
         _backend._current = default
+
+
+@pytest.fixture(autouse=True)
+def _foreign_streams_closed() -> Iterator[None]:
+    """The other libraries' streams a test made (``device_ops.foreign_streams``)
+    are destroyed after it, once its arrays are collected."""
+    yield
+    if device_ops._foreign:
+        gc.collect()
+        device_ops.close_foreign_streams()
 
 
 @pytest.fixture(autouse=True)

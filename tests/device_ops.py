@@ -391,15 +391,51 @@ def consume_returns(obj: object, timeout: float) -> bool:
     return True
 
 
+class ForeignStream:
+    """Another library's stream: a raw backend stream behind ``__cuda_stream__``.
+    A wrapper of it keeps this object alive and the library does not see its
+    end, so consumer reads on it count toward ``MAX_OPEN_READS``. Destroyed
+    after the test (:func:`close_foreign_streams`), once what recorded on it
+    has run."""
+
+    def __init__(self) -> None:
+        self.backend = cs.current_backend()
+        self.handle = self.backend.create_stream()
+        _foreign.append(self)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+_foreign: list[ForeignStream] = []
+
+
+def foreign_streams(n: int) -> list[cs.Stream]:
+    """Wrappers of ``n`` new :class:`ForeignStream`."""
+    return [cs.Stream.wrap(ForeignStream()) for _ in range(n)]
+
+
+def close_foreign_streams() -> None:
+    """Synchronize and destroy every :class:`ForeignStream` made so far (the
+    test that made them has ended, and a collection has run: their tracked
+    arrays recorded what they had to)."""
+    made, _foreign[:] = list(_foreign), []
+    for f in made:
+        f.backend.synchronize_stream(f.handle)
+        f.backend.destroy_stream(f.handle)
+
+
 @contextlib.asynccontextmanager
 async def consuming_past_the_open_reads(t: cs.TrackedArray, s: cs.Stream) -> AsyncIterator[None]:
     """``consuming(t, stream=s)`` whose consumer read is recorded early in the
-    body: as many other consumers as ``MAX_OPEN_READS`` make it the oldest
-    open read. What the body enqueues after that is covered only by the
-    body's own end (its record, at its exit or at its stream's close)."""
+    body: as many consumers on other libraries' streams as ``MAX_OPEN_READS``
+    make it the oldest open read (``s`` must be such a stream too: a read on a
+    stream the library made stays open until the stream ends). What the body
+    enqueues after that is covered only by the body's own end (its record, at
+    its exit or at its stream's close)."""
     from cai_streams._pending import MAX_OPEN_READS
 
-    others = [cs.Stream() for _ in range(MAX_OPEN_READS)]
+    others = foreign_streams(MAX_OPEN_READS)
     async with cs.consuming(t, stream=s, timeout=5):
         for o in others:
             await cs.consume(t, stream=o, timeout=5)

@@ -24,7 +24,13 @@ from cai_streams._capture_guard import StreamPhase
 from cai_streams._identity import Lifetime
 from cai_streams._pending import PendingWork
 
-from .device_ops import DeviceOps, consume_returns, consuming_past_the_open_reads, held
+from .device_ops import (
+    DeviceOps,
+    consume_returns,
+    consuming_past_the_open_reads,
+    foreign_streams,
+    held,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -453,7 +459,7 @@ async def test_a_consuming_body_in_which_a_capture_begins_is_fenced_as_a_block(
     arr = ops.array(np.ones(64, "float32"))
     out = ops.array(np.zeros(64, "float32"))
     t = cs.track(arr)
-    s, w = cs.Stream(), cs.Stream()
+    (s,), w = foreign_streams(1), cs.Stream()
     latch = None
     try:
         async with consuming_past_the_open_reads(t, s):

@@ -21,7 +21,7 @@ import cai_streams as cs
 from cai_streams._access import Access, AccessState
 from cai_streams._pending import MAX_OPEN_READS, PendingWork
 
-from .device_ops import DeviceOps
+from .device_ops import DeviceOps, foreign_streams
 
 
 @pytest.fixture(autouse=True)
@@ -46,8 +46,8 @@ def test_the_open_reads_bound_does_not_record_a_capturing_consumers_read(
     more consumers than MAX_OPEN_READS make the oldest open read (``s``'s) due
     for a record while ``s`` captures. A writer on ``s2`` after the capture
     must still wait for the copy: it reads 5, not the writer's 9."""
-    s, s2 = cs.Stream(), cs.Stream()
-    others = [cs.Stream() for _ in range(MAX_OPEN_READS)]
+    (s,), s2 = foreign_streams(1), cs.Stream()  # (a read on a stream of ours is never due)
+    others = foreign_streams(MAX_OPEN_READS)
     t = cs.track(ops.array(np.full(64, 5.0, np.float32)))
     out = ops.array(np.zeros(64, np.float32))
     with pytest.MonkeyPatch.context() as mp:
@@ -108,8 +108,8 @@ def test_the_open_reads_bound_holds_while_the_oldest_reads_stream_captures(
     """The oldest open read's stream captures: newer consumers' reads are
     recorded in its place, so the open reads stay within the bound (they grew
     by one per consumer when only the oldest was tried)."""
-    s = cs.Stream()
-    others = [cs.Stream() for _ in range(3 * MAX_OPEN_READS)]
+    (s,) = foreign_streams(1)
+    others = foreign_streams(3 * MAX_OPEN_READS)
     t = cs.track(ops.array(np.full(64, 5.0, np.float32)))
     cs.consume_blocking(t, stream=s)  # the oldest open read
     s.begin_capture("relaxed")

@@ -1,0 +1,128 @@
+"""Many consumers reading one tracked buffer at once, each on its own stream,
+each enqueuing its kernel some time after its consume (an async service
+whose requests await between the two): the next writer (a hot reload) must
+wait for every one of those kernels.
+
+A read on a stream the library made stays open until something must wait for
+it, however many there are: its stream's close records it, so it keeps
+nothing alive. Reads on other libraries' streams, which the read keeps alive,
+stay bounded by ``MAX_OPEN_READS`` (the oldest is recorded early).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import cai_streams as cs
+from cai_streams._access import AccessState
+from cai_streams._pending import MAX_OPEN_READS, PendingWork
+
+from .device_ops import DeviceOps, ForeignStream, foreign_streams
+
+READERS = MAX_OPEN_READS + 8
+
+
+def _capped_as_before(mp: pytest.MonkeyPatch) -> None:
+    """The control: every open read counts toward the bound, as before (the
+    oldest reads are recorded before their consumers enqueue their kernels)."""
+    original = PendingWork._consumer_read
+
+    def consumer_read(self: PendingWork, stream: cs.Stream, key: object) -> None:
+        original(self, stream, key)  # type: ignore[arg-type]
+        open_reads = [a for a in self.reads if a.state is AccessState.LAZY]
+        for a in open_reads[: max(0, len(open_reads) - MAX_OPEN_READS)]:
+            a.materialize()
+
+    mp.setattr(PendingWork, "_consumer_read", consumer_read)
+
+
+@pytest.fixture
+def unsanitized_control(request: pytest.FixtureRequest) -> Iterator[bool]:
+    control = bool(request.param)
+    if control:  # the control races on purpose: the sanitizer would name it
+        with cs.sanitize(False), pytest.MonkeyPatch.context() as mp:
+            _capped_as_before(mp)
+            yield True
+    else:
+        yield False
+
+
+@pytest.mark.parametrize(
+    "unsanitized_control", [False, True], ids=["open", "control"], indirect=True
+)
+def test_every_reader_on_a_stream_of_ours_orders_the_next_writer(
+    ops: DeviceOps, unsanitized_control: bool
+) -> None:
+    """``READERS`` consumers (more than ``MAX_OPEN_READS``) each consume the
+    buffer onto their own stream, and only then copy it out, held by a latch;
+    a writer fills 9 after them. Every copy must read 5. The control (every
+    open read bounded, as before) shows the first eight copies reading the 9."""
+    t = cs.track(ops.array(np.full(64, 5.0, np.float32)))
+    readers = [cs.Stream() for _ in range(READERS)]
+    outs = [ops.array(np.zeros(64, np.float32)) for _ in readers]
+    for s in readers:
+        cs.consume_blocking(t, stream=s)  # no kernel yet: the consumer awaits elsewhere
+    latches = []
+    for s, out in zip(readers, outs, strict=True):
+        latches.append(ops.latch(s))
+        ops.copy(s, out, t.array)  # the consumer's read, enqueued after its consume
+    w = cs.Stream()
+    with t.writing(w):  # a hot reload
+        ops.fill(w, t.array, 9.0)
+    early = READERS - MAX_OPEN_READS  # (the reads the control records at once)
+    for latch in latches[early:]:
+        latch.release()
+    if unsanitized_control:  # ordered after the others' copies and the early
+        w.synchronize()  # records only: the fill is done before the first copies
+    for latch in latches[:early]:
+        latch.release()
+    for s in (*readers, w):
+        s.synchronize()
+    got = [float(ops.to_host(out)[0]) for out in outs]
+    if unsanitized_control:
+        assert got == [9.0] * (READERS - MAX_OPEN_READS) + [5.0] * MAX_OPEN_READS
+    else:
+        assert got == [5.0] * READERS
+
+
+def test_reads_on_dropped_streams_of_ours_leave_nothing_alive(ops: DeviceOps) -> None:
+    """Consumed onto ever-new streams that are then dropped, never written: the
+    streams are collected (their close records the reads), and the buffer
+    keeps no open read of theirs."""
+    t = cs.track(ops.array(np.ones(64, np.float32)))
+    gone: list[weakref.ref[cs.Stream]] = []
+    outs = []
+    for _ in range(3 * MAX_OPEN_READS):
+        s = cs.Stream()
+        cs.consume_blocking(t, stream=s)
+        outs.append(ops.array(np.zeros(64, np.float32)))
+        ops.copy(s, outs[-1], t.array)  # the consumer's read
+        gone.append(weakref.ref(s))
+        del s
+    cs.stats(), cs.stats()  # (a released view's lease settles at the second library call)
+    gc.collect()  # (a stream collected records its reads at the next library call)
+    cs.stats()
+    assert sum(r() is not None for r in gone) == 0
+    assert not [a for a in t._work.reads if a.state is AccessState.LAZY]
+    w = cs.Stream()
+    with t.writing(w):  # ordered after every copy, by the records at the closes
+        ops.fill(w, t.array, 2.0)
+    w.synchronize()
+    assert all((ops.to_host(out) == 1.0).all() for out in outs)
+
+
+def test_reads_on_other_libraries_streams_stay_bounded(ops: DeviceOps) -> None:
+    """Other libraries' streams, which an open read keeps alive: past the bound
+    the oldest reads are recorded, and they keep the bound."""
+    t = cs.track(ops.array(np.ones(64, np.float32)))
+    for s in foreign_streams(3 * MAX_OPEN_READS):
+        cs.consume_blocking(t, stream=s)
+        s.close()  # (the user's wrapper: only forgets the stream)
+    lazy = [a for a in t._work.reads if a.state is AccessState.LAZY]
+    assert len(lazy) == MAX_OPEN_READS
+    assert all(isinstance(a.stream._keepalive, ForeignStream) for a in lazy)
