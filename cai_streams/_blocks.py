@@ -137,8 +137,11 @@ def wait_block_sync(block: OpenBlock, me: Owner, deadline: float, what: str) -> 
             f"{what} of an array while another task of this thread holds a "
             f"{block.name} block of it across an await: waiting here would never end. {fix}"
         )
-    if not block.done.is_set():
-        warn_if_loop_blocked(f"{what} waited for another thread's {block.name} block", None)
+    if not block.done.is_set() and deadline > time.monotonic():  # (else it raises at once)
+        warn_if_loop_blocked(
+            f"{what} is about to wait for another thread's {block.name} block",
+            "`await cs.consume()`" if what == "consume_blocking()" else None,
+        )
     while (left := deadline - time.monotonic()) > 0:
         if block.done.wait(min(left, threading.TIMEOUT_MAX)):  # (timeout=inf: the longest)
             return

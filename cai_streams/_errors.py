@@ -120,13 +120,15 @@ class LoopBlockingWarning(RuntimeWarning):
 
     Given when :func:`~cai_streams.consume_blocking`, ``Stream.synchronize()``
     or ``Event.synchronize()`` is about to wait for GPU work that is still
-    pending, or for another thread's ``writing()`` block, in the thread of a
-    running asyncio (uvloop included) or trio loop: every task and callback of
-    that loop waits with it. The message names the awaitable to use instead.
-    It is a warning, not an error, because a blocking wait there is sometimes
-    meant (a short script, a test); filter it with :mod:`warnings` where it is.
-    Nothing is given when the work is already complete, so the check costs
-    nothing on that path.
+    pending, or a synchronous access for another thread's ``writing()``,
+    ``reading()`` or ``consuming()`` block, in the thread of a running asyncio
+    (uvloop included) or trio loop: every task and callback of that loop
+    waits with it. The message names the awaitable to use instead. It is a
+    warning, not an error, because a blocking wait there is sometimes meant
+    (a short script, a test); filter it with :mod:`warnings` where it is.
+    Nothing is given when the work is already complete or the call would not
+    wait (``timeout=0``), nor outside a loop's thread: the check is one query,
+    made only in a loop's thread, and not in an IPython kernel's cells.
     """
 
 

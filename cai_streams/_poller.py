@@ -776,12 +776,13 @@ def wait_blocking(
     timeout = check_timeout(timeout)
     try:
         with _capture_guard.relaxed(backend):
-            if loop_running() is not None:  # (only then: a query more per wait)
+            if timeout != 0 and loop_running() is not None:  # (a query more per wait)
                 events = [e for e in events if not backend.query(e[0])]
                 if not events:
                     return
                 warn_if_loop_blocked(
-                    "consume_blocking() waited for pending GPU work", "`await cs.consume()`"
+                    "consume_blocking() is about to wait for pending GPU work",
+                    "`await cs.consume()`",
                 )
             _wait_blocking(backend, events, timeout, timeout if given is None else given)
     except BaseException:

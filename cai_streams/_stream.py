@@ -426,14 +426,26 @@ class Stream(Unique):
 
         Blocks: in async code use ``await stream.record().wait()`` instead
         (called with work pending in an event loop's thread, it gives
-        :class:`~cai_streams.LoopBlockingWarning`).
+        :class:`~cai_streams.LoopBlockingWarning`; for a default stream,
+        whose synchronize also waits for other streams, always there).
         """
-        if loop_running() is not None and not _done(self._backend.query_stream, self.handle):
-            warn_if_loop_blocked(
-                "Stream.synchronize() waited for pending GPU work",
-                "`await stream.record().wait()`",
-            )
-        self._backend.synchronize_stream(self.handle)
+        handle = self.handle  # (a closed stream raises first)
+        if loop_running() is not None:
+            if handle in (LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM):
+                # its synchronize also waits for other streams' work (the
+                # legacy stream's implicit ordering), which a query of it
+                # does not see: said whether or not anything is pending
+                warn_if_loop_blocked(
+                    "Stream.synchronize() of a default stream may wait for any blocking "
+                    "stream's pending GPU work",
+                    "`await stream.record().wait()`",
+                )
+            elif not _done(self._backend.query_stream, handle):
+                warn_if_loop_blocked(
+                    "Stream.synchronize() is about to wait for pending GPU work",
+                    "`await stream.record().wait()`",
+                )
+        self._backend.synchronize_stream(handle)
 
     def close(self) -> None:
         """Destroy an owned stream (work already enqueued still completes).
@@ -742,7 +754,7 @@ class Event(Unique):
         """
         if loop_running() is not None and not _done(self._backend.query, self.handle):
             warn_if_loop_blocked(
-                "Event.synchronize() waited for pending GPU work", "`await event.wait()`"
+                "Event.synchronize() is about to wait for pending GPU work", "`await event.wait()`"
             )
         self._backend.synchronize_event(self.handle)
 

@@ -4,8 +4,11 @@ one in a worker thread, gives nothing."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -157,8 +160,113 @@ async def test_waiting_for_another_threads_block_warns(ops: DeviceOps, anyio_bac
     (w,) = caught.list
     assert w.filename == __file__
     message = str(w.message)
-    assert "consume_blocking() waited for another thread's writing()" in message
-    assert "worker thread" in message  # (no awaitable form to name)
+    assert "consume_blocking() is about to wait for another thread's writing()" in message
+    assert "`await cs.consume()`" in message
+
+
+@pytest.mark.parametrize("access", ["writing", "reading", "consume_blocking"])
+async def test_a_wait_for_another_threads_block_names_the_callers_line(
+    ops: DeviceOps, anyio_backend: str, access: str
+) -> None:
+    """``writing()`` and ``reading()`` are generator contexts: the warning skips
+    contextlib's frames too, so each caller's line is named (and the default
+    filter's once-per-line does not fold two callers into one)."""
+    s = cs.Stream()
+    t = cs.track(ops.array(np.zeros(4, np.float32)), stream=s)
+    lines = []
+
+    def writer(entered: threading.Event, leave: threading.Event) -> None:
+        with t.writing(s):
+            entered.set()
+            leave.wait(10)
+
+    for _ in range(2):
+        entered, leave = threading.Event(), threading.Event()
+        th = threading.Thread(target=writer, args=(entered, leave))
+        th.start()
+        assert await anyio.to_thread.run_sync(entered.wait, 10)
+        timer = threading.Timer(HELD, leave.set)
+        timer.start()
+        try:
+            with pytest.warns(cs.LoopBlockingWarning) as caught:
+                if access == "consume_blocking":
+                    cs.consume_blocking(t, stream=cs.Stream())
+                else:
+                    with getattr(t, access)(cs.Stream()):
+                        pass
+        finally:
+            timer.join()
+            leave.set()
+            th.join(10)
+        (w,) = caught.list
+        assert w.filename == __file__
+        lines.append(w.lineno)
+        instead = "`await cs.consume()`" in str(w.message)
+        assert instead is (access == "consume_blocking")
+    assert lines[0] == lines[1] and lines[0] > 0
+
+
+@pytest.mark.parametrize("kind", ["GPU work", "another thread's block"])
+async def test_a_call_that_would_not_wait_gives_no_warning(
+    ops: DeviceOps, anyio_backend: str, kind: str
+) -> None:
+    """``timeout=0`` takes what is ready now and never waits: a plain
+    TimeoutError, not the warning (under ``-W error`` it was raised instead)."""
+    s = cs.Stream()
+    arr = ops.array(np.zeros(4, np.float32))
+    latch = ops.latch(s)
+    entered, leave = threading.Event(), threading.Event()
+    t = cs.track(ops.array(np.zeros(4, np.float32)), stream=s)
+
+    def writer() -> None:
+        with t.writing(s):
+            entered.set()
+            leave.wait(10)
+
+    th = threading.Thread(target=writer)
+    th.start()
+    try:
+        assert await anyio.to_thread.run_sync(entered.wait, 10)
+        target: object = _Producer(arr, s.handle) if kind == "GPU work" else t
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", cs.LoopBlockingWarning)
+            with pytest.raises(TimeoutError):
+                cs.consume_blocking(target, timeout=0)
+    finally:
+        leave.set()
+        latch.release()
+        th.join(10)
+
+
+async def test_a_default_streams_synchronize_always_warns(anyio_backend: str) -> None:
+    """Its synchronize also waits for other streams' work, which a query of it
+    does not see: said even when it is idle."""
+    cs.use_backend("sim")
+    for handle in (1, 2):
+        with pytest.warns(cs.LoopBlockingWarning, match="of a default stream may wait") as caught:
+            cs.Stream.wrap(handle).synchronize()
+        assert caught.list[0].filename == __file__
+
+
+def test_a_frame_named_through_dotdot_is_still_the_librarys() -> None:
+    """``sys.path.insert(0, "<dir>/..")`` names the package's files through
+    "..": they are still skipped, and the warning names the user's line."""
+    from cai_streams import _loop_thread
+
+    inside = os.path.join(os.path.dirname(_loop_thread.__file__), "..", "cai_streams", "_stream.py")
+    assert _loop_thread._skips(inside)
+    assert not _loop_thread._skips(__file__)
+
+
+async def test_an_ipython_kernels_loop_is_not_counted(
+    anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook cell runs in the kernel's asyncio loop, which runs nothing
+    else of the user's: a blocking call there warns of nothing."""
+    assert loop_running() == anyio_backend
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    expected = None if anyio_backend == "asyncio" else "trio"
+    assert loop_running() == expected
 
 
 async def test_loop_running_names_the_library(anyio_backend: str) -> None:
