@@ -16,8 +16,26 @@ __all__ = [
 ]
 
 
+def _rebuilt(
+    cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]
+) -> object:
+    """An error as pickled (:meth:`CaiStreamsError.__reduce__`), without
+    calling its ``__init__``, whose arguments are not its ``args``."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class CaiStreamsError(Exception):
-    """Base class of every error this library raises on purpose."""
+    """Base class of every error this library raises on purpose.
+
+    Errors pickle and copy with their attributes (``.code``, ``.name``...),
+    so one raised in a worker process reaches its parent whole.
+    """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuilt, (type(self), self.args, self.__dict__))
 
 
 class InterfaceError(CaiStreamsError, ValueError):
@@ -46,12 +64,15 @@ class DeviceFaultError(CudaError):
     """The device faulted, and every later call on it fails the same way.
 
     On a GPU, the driver's errors that leave the context unusable until the
-    process restarts: ``cudaErrorIllegalAddress`` (700),
-    ``cudaErrorLaunchTimeout`` (702), ``cudaErrorAssert`` (710),
-    ``cudaErrorHardwareStackError`` (714) through ``cudaErrorLaunchFailure``
-    (719), and ``cudaErrorExternalDevice`` (911). On the simulator, a
-    :class:`KernelError` (a subclass). Catch this one to handle a fault the
-    same way on both.
+    process restarts: ``cudaErrorContained`` (226),
+    ``cudaErrorIllegalAddress`` (700), ``cudaErrorLaunchTimeout`` (702),
+    ``cudaErrorAssert`` (710), ``cudaErrorHardwareStackError`` (714) through
+    ``cudaErrorLaunchFailure`` (719), ``cudaErrorTensorMemoryLeak`` (721),
+    ``cudaErrorMpsClientTerminated`` (810) and ``cudaErrorExternalDevice``
+    (911; the runtime's docs call it sticky when reported asynchronously). On
+    the simulator, a :class:`KernelError` (a subclass). Catch this one to
+    handle a fault the same way on both. In a child process it pickles whole,
+    so a parent that runs GPU work in a worker to survive a fault receives it.
     """
 
 
@@ -128,7 +149,9 @@ class LoopBlockingWarning(RuntimeWarning):
     (a short script, a test); filter it with :mod:`warnings` where it is.
     Nothing is given when the work is already complete or the call would not
     wait (``timeout=0``), nor outside a loop's thread: the check is one query,
-    made only in a loop's thread, and not in an IPython kernel's cells.
+    made only in a loop's thread. A Jupyter kernel runs its cells in a
+    loop too, so a cell's blocking wait is warned of (``await`` works at a
+    cell's top level).
     """
 
 

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import sys
-import threading
 import warnings
 
 from ._errors import LoopBlockingWarning
@@ -31,13 +30,10 @@ def loop_running() -> str | None:
     uvloop's included, or ``"trio"``), or None. Does not block.
 
     A worker thread of ``to_thread`` runs none (its loop runs elsewhere); trio
-    in guest mode runs inside its host's asyncio loop, which is named. The
-    loop an IPython kernel runs notebook cells in is not counted: a cell that
-    blocks holds up nothing else of the user's.
+    in guest mode runs inside its host's asyncio loop, which is named, and so
+    is the loop a Jupyter kernel runs its cells in.
     """
     if asyncio._get_running_loop() is not None:
-        if "ipykernel" in sys.modules and threading.current_thread() is threading.main_thread():
-            return None
         return "asyncio"
     trio = sys.modules.get("trio")
     if trio is not None:

@@ -9,7 +9,11 @@ event or tracked state left behind.
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import gc
+import multiprocessing
+import pickle
 import threading
 import weakref
 from collections.abc import Iterator
@@ -267,7 +271,8 @@ async def test_work_that_failed_when_the_timeout_expires_raises_the_fault(
 
 @pytest.mark.parametrize(
     ("code", "sticky"),
-    [(700, True), (702, True), (710, True), (714, True), (719, True), (911, True),
+    [(226, True), (700, True), (702, True), (710, True), (714, True), (719, True), (721, True),
+     (810, True), (911, True),
      (1, False), (400, False), (600, False), (701, False), (720, False), (901, False)],
 )  # fmt: skip
 def test_the_cuda_backend_raises_a_sticky_fault_as_a_device_fault(code: int, sticky: bool) -> None:
@@ -281,3 +286,55 @@ def test_the_cuda_backend_raises_a_sticky_fault_as_a_device_fault(code: int, sti
     assert isinstance(info.value, cs.DeviceFaultError) is sticky
     assert not isinstance(info.value, cs.KernelError)
     assert info.value.code == code and "(during a call)" in str(info.value)
+
+
+def test_the_sticky_codes_are_those_the_runtime_calls_fatal() -> None:
+    """The cuda backend's list against cuda.bindings' own docs of each error:
+    the ones after which "the process must be terminated and relaunched" (or
+    the device "cannot be used again")."""
+    from cai_streams._backend import _cuda
+
+    runtime = pytest.importorskip("cuda.bindings.runtime")
+    documented = {
+        int(member)
+        for name in dir(runtime.cudaError_t)
+        if name.startswith("cudaError")
+        for member in [getattr(runtime.cudaError_t, name)]
+        if any(s in (member.__doc__ or "") for s in ("relaunched", "cannot be used again"))
+    }
+    if not documented:
+        pytest.skip("this cuda.bindings carries no docs of its error codes")
+    assert documented == _cuda.STICKY
+
+
+def _child_fault() -> None:
+    raise cs.DeviceFaultError(700, "cudaErrorIllegalAddress", "an illegal memory access")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        cs.DeviceFaultError(700, "cudaErrorIllegalAddress", "an illegal memory access"),
+        cs.KernelError("fill", 0x7F0000001400, ZeroDivisionError("boom")),
+        cs.CudaError(400, "cudaErrorInvalidResourceHandle", "invalid resource handle"),
+        cs.CaptureError("not while capturing", code=900),
+        cs.InterfaceError("bad shape"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_errors_pickle_and_copy_whole(error: cs.CaiStreamsError) -> None:
+    """A worker process's error reaches its parent (multiprocessing pickles it;
+    a CudaError's __init__ takes other arguments than its args, which made
+    unpickling raise TypeError and a ProcessPoolExecutor break)."""
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(again) is type(error)
+        assert str(again) == str(error)
+        assert again.__dict__ == error.__dict__
+
+
+def test_a_fault_in_a_worker_process_reaches_the_parent() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        with pytest.raises(cs.DeviceFaultError) as info:
+            pool.submit(_child_fault).result(timeout=60)
+    assert (info.value.code, info.value.name) == (700, "cudaErrorIllegalAddress")

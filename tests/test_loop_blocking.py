@@ -5,10 +5,8 @@ one in a worker thread, gives nothing."""
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
-import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -256,36 +254,3 @@ def test_a_frame_named_through_dotdot_is_still_the_librarys() -> None:
     inside = os.path.join(os.path.dirname(_loop_thread.__file__), "..", "cai_streams", "_stream.py")
     assert _loop_thread._skips(inside)
     assert not _loop_thread._skips(__file__)
-
-
-async def test_an_ipython_kernels_loop_is_not_counted(
-    anyio_backend: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A notebook cell runs in the kernel's asyncio loop, which runs nothing
-    else of the user's: a blocking call there warns of nothing."""
-    assert loop_running() == anyio_backend
-    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
-    expected = None if anyio_backend == "asyncio" else "trio"
-    assert loop_running() == expected
-
-
-async def test_loop_running_names_the_library(anyio_backend: str) -> None:
-    assert loop_running() == anyio_backend
-    assert await anyio.to_thread.run_sync(loop_running) is None
-
-
-def test_outside_any_loop_a_blocking_wait_gives_no_warning(ops: DeviceOps) -> None:
-    s = cs.Stream()
-    arr = ops.array(np.zeros(4, np.float32))
-    latch = ops.latch(s)
-    ops.fill(s, arr, 7.0)
-    timer = threading.Timer(HELD, latch.release)
-    timer.start()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", cs.LoopBlockingWarning)
-            for blocking in _calls(ops, s, arr).values():
-                blocking()
-    finally:
-        timer.join()
-    assert ops.to_host(arr).tolist() == [7.0] * 4

@@ -26,8 +26,8 @@ _SUCCESS: Final = 0
 _NOT_READY: Final = 600  # cudaErrorNotReady
 #: the errors after which the context is unusable and every later call fails
 #: the same way (the runtime API's docs: "the process must be terminated and
-#: relaunched"): a device-side fault
-STICKY: Final = frozenset({700, 702, 710, 714, 715, 716, 717, 718, 719, 911})
+#: relaunched", or "cannot be used again"): a device-side fault
+STICKY: Final = frozenset({226, 700, 702, 710, 714, 715, 716, 717, 718, 719, 721, 810, 911})
 
 
 def _rt() -> Any:
