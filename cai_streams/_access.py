@@ -150,11 +150,13 @@ class Access:
         return access
 
     @classmethod
-    def lazy(cls, work: Buffer, stream: Stream, key: StreamId) -> Access:
+    def lazy(cls, work: Buffer, stream: Stream, key: StreamId, *, keep: bool = False) -> Access:
         """A consumer's read on ``stream``: recorded when something must wait for
-        it, if the stream allows that; else recorded now."""
+        it, if the stream allows that; else recorded now. ``keep``: keep an
+        owned ``stream`` alive while the read is open (an export's, whose
+        consumer was handed only the handle)."""
         access = cls(work, Kind.READ, stream, key, False)
-        if stream._owned:
+        if stream._owned and not keep:
             # Not the user's stream itself: dropped, it is collected and its
             # close records this read (a buffer read on ever-new streams,
             # never written, would keep every one of them alive otherwise).

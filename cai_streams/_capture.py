@@ -55,6 +55,11 @@ _newest = 0  # the serial of the newest capture begun
 #: streams joined to a capture under way through :meth:`Stream.wait` (forked
 #: into it): the capture, so a record on them is told apart from another's
 _forks: dict[StreamId, _Capture] = {}
+#: the owned :class:`Stream` of each capture under way in ``_active``: a
+#: capturing stream cannot close (``close()`` refuses), so a dropped one must
+#: not be collected either, whose close would record its consumers' open
+#: reads inside the capture (covering the captured work only)
+_capturing_streams: dict[StreamId, Stream] = {}
 
 
 def joined(waiter: StreamId, source: StreamId) -> None:
@@ -99,6 +104,7 @@ def note_captured(work: object, writes: bool, key: StreamId) -> None:
     with none there, to the one under way on the backend (a fork from another
     device). Several at once: it cannot be told which, and a launch does not
     order it."""
+    dropped: list[Stream | None] = []
     with _lock:
         capture = _active.get(key)
         if capture is None:
@@ -112,6 +118,8 @@ def note_captured(work: object, writes: bool, key: StreamId) -> None:
                 return
             for gone in [k for k in _active if capturing(k.backend, k) is False]:
                 del _active[gone]  # ended or destroyed behind the library's back
+                # (let go after the lock, with this frame: the last reference may close it)
+                dropped.append(_capturing_streams.pop(gone, None))
             for joined_key in [k for k, c in _forks.items() if _active.get(c.origin) is not c]:
                 del _forks[joined_key]
             found = [c for c in _active.values() if c.backend is key.backend]
@@ -184,19 +192,23 @@ def begin_capture(stream: Stream, mode: object) -> None:
     with _lock:
         capture = _active[key] = _recent[key] = _Capture(stream.backend, key, next(_serials))
         _newest = capture.serial
+        if stream._owned:
+            _capturing_streams[key] = stream
 
 
 def end_capture(stream: Stream) -> Graph:
     backend, handle, key = stream.backend, stream.handle, stream._key()
-    capture = None
+    capture = kept = None
     try:
         graph = backend.end_capture(handle)
     finally:
         if not _still_capturing(backend, handle):
             with _lock:
                 capture = _active.pop(key, None)
+                kept = _capturing_streams.pop(key, None)
                 for fork in [k for k, c in _forks.items() if c is capture]:
                     del _forks[fork]
+            del kept  # (outside the lock: the last reference may close it)
     if capture is not None:
         _note_open_on(capture, key)
     return Graph._made(backend, graph, capture)

@@ -40,9 +40,9 @@ from ._stream import Stream
 
 __all__ = ["MAX_OPEN_READS", "PendingWork"]
 
-#: consumer reads of one buffer held open (lazy) at once on streams whose end
-#: the library does not see (another library's, kept alive by the read; the
-#: default streams); see ``_consumer_read``
+#: consumer reads of one buffer held open (lazy) at once that keep their
+#: stream alive (another library's; one of the library's handed out by an
+#: export) or name a default stream; see ``_consumer_read``
 MAX_OPEN_READS = 32
 
 
@@ -176,10 +176,17 @@ class PendingWork:
             self.group += 1
         accesses = self.writes if new.kind is Kind.WRITE else self.reads
         captured = new.captured
+        key = new.key
+        same = key._hash  # (compared first: a buffer may have hundreds of open reads)
         for i, old in enumerate(accesses):
             if old is new:  # (a block's record at close, added again at its exit)
                 return
-            if old.key != new.key or old.disjoint != new.disjoint or old.captured != captured:
+            if (
+                old.key._hash != same
+                or old.key != key
+                or old.disjoint != new.disjoint
+                or old.captured != captured
+            ):
                 continue
             if (
                 not order_known(new.key)
@@ -509,13 +516,15 @@ class PendingWork:
             else:
                 self.counters.add(waits=waited, elided=elided)
 
-    def _consumer_read(self, stream: Stream, key: StreamId) -> None:
+    def _consumer_read(self, stream: Stream, key: StreamId, *, keep: bool = False) -> None:
         """What ``stream`` enqueues from now on reads the buffer. Reads found
         complete are forgotten. An open read on a stream the library made
-        ends with the stream (its close records it), however many there are;
-        beyond :data:`MAX_OPEN_READS` open reads on other streams (another
-        library's stream, which the read keeps alive; a default stream), the
-        oldest is recorded now, so a buffer read on ever-new such streams,
+        ends with the stream (its close, or its collection once dropped,
+        records it), however many there are; beyond :data:`MAX_OPEN_READS`
+        open reads that keep their stream alive (another library's; one of
+        the library's that an export handed out as a bare handle: ``keep``)
+        or name a default stream, the oldest is recorded now, so a buffer
+        read on ever-new such streams,
         and never written, holds neither them nor events (a writer is then
         ordered after what that consumer had enqueued by then, not after its
         later work). On a stream capturing a graph this library began, the
@@ -524,12 +533,19 @@ class PendingWork:
         if _capture.any_under_way() and _capture_guard.capturing(self.backend, key) is True:
             _capture.note_captured(self, False, key)
         self._drop_complete(self.reads)
+        same = key._hash  # (compared first: a buffer may have hundreds of open reads)
         for a in self.reads:
-            if a.key == key and a.state is AccessState.LAZY:
+            if a.key._hash == same and a.key == key and a.state is AccessState.LAZY:
+                if keep and stream._owned:  # (an export of it now: it keeps the stream)
+                    a.stream = stream
                 return  # already open: it covers this consumer's work as well
-        self._add(Access.lazy(self, stream, key))
+        self._add(Access.lazy(self, stream, key, keep=keep))
+        if len(self.reads) <= MAX_OPEN_READS:
+            return  # (within the bound whatever they are)
         open_reads = [
-            a for a in self.reads if a.state is AccessState.LAZY and a.stream._lifetime is None
+            a
+            for a in self.reads
+            if a.state is AccessState.LAZY and (a.stream._lifetime is None or a.stream._owned)
         ]
         excess = len(open_reads) - MAX_OPEN_READS
         for a in open_reads:  # the oldest first, skipping those whose stream captures
@@ -705,7 +721,7 @@ class PendingWork:
             pending = any(a.key != key for a in self.writes) or any(
                 a.key == key and not a.is_complete() for a in self.writes
             )
-            self._consumer_read(x, key)
+            self._consumer_read(x, key, keep=True)
             if not pending:
                 if _observe.active:  # stream None says "ready now, anywhere": checked so,
                     _observe.host_access(  # but not kept as a read; the consumer's own

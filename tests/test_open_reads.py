@@ -126,3 +126,74 @@ def test_reads_on_other_libraries_streams_stay_bounded(ops: DeviceOps) -> None:
     lazy = [a for a in t._work.reads if a.state is AccessState.LAZY]
     assert len(lazy) == MAX_OPEN_READS
     assert all(isinstance(a.stream._keepalive, ForeignStream) for a in lazy)
+
+
+def test_a_stream_dropped_while_capturing_keeps_its_consumers_read(ops: DeviceOps) -> None:
+    """The consumer's copy on ``s`` is enqueued (held), then ``s`` begins a
+    capture and is dropped. It is kept until the capture ends (``close()``
+    refuses a capturing stream meanwhile): its collection would record the
+    read inside the capture, covering the captured work only, and the next
+    writer overwrote the buffer under the copy. The writer refuses while the
+    capture is under way; once it ends, it waits for the copy."""
+    from cai_streams import _capture
+
+    t = cs.track(ops.array(np.full(64, 5.0, np.float32)))
+    out = ops.array(np.zeros(64, np.float32))
+    s = cs.Stream()
+    key = s._key()
+    gone = weakref.ref(s)
+    cs.consume_blocking(t, stream=s)
+    latch = ops.latch(s)
+    ops.copy(s, out, t.array)  # the consumer's read, before the capture
+    s.begin_capture("relaxed")
+    del s
+    gc.collect()
+    cs.stats()
+    assert gone() is not None, "a capturing stream was collected"
+    w = cs.Stream()
+    try:
+        with pytest.raises(cs.CaptureError), t.writing(w):
+            ops.fill(w, t.array, 9.0)
+    finally:
+        _capture._capturing_streams[key].end_capture().close()
+    gc.collect()
+    cs.stats()
+    assert gone() is None, "the stream outlived its capture"
+    with t.writing(w):  # ordered after the copy, by the record at its close
+        ops.fill(w, t.array, 9.0)
+    latch.release()
+    w.synchronize()
+    assert (ops.to_host(out) == 5.0).all()
+    assert (ops.to_host(t.array) == 9.0).all()
+
+
+@pytest.mark.parametrize("how", ["cs.export", "TrackedArray.export"])
+def test_an_exported_streams_handle_stays_its_while_the_read_is_open(
+    ops: DeviceOps, how: str
+) -> None:
+    """``export(t, stream=cs.Stream())`` hands out only the stream's handle:
+    the read keeps the stream alive, so the consumer's work on that handle
+    is still ordered before the next writer (the stream was collected at
+    once, and the next stream made took its handle)."""
+    t = cs.track(ops.array(np.full(64, 5.0, np.float32)))
+    p = cs.Stream()
+    with t.writing(p):  # pending: the export names its stream
+        ops.fill(p, t.array, 5.0, duration=0.01)
+    out = ops.array(np.zeros(64, np.float32))
+    if how == "cs.export":
+        handle = cs.export(t, stream=cs.Stream())["stream"]
+    else:
+        handle = t.export(cs.Stream())["stream"]
+    cs.stats(), cs.stats()
+    gc.collect()
+    other = cs.Stream()
+    assert other.handle != handle, "the exported stream was destroyed"
+    given = cs.Stream.wrap(handle)
+    latch = ops.latch(given)
+    ops.copy(given, out, t.array)
+    w = cs.Stream()
+    with t.writing(w):
+        ops.fill(w, t.array, 9.0)
+    latch.release()
+    w.synchronize()
+    assert (ops.to_host(out) == 5.0).all()
