@@ -8,20 +8,22 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 _CHILD = textwrap.dedent(
     """
-    import gc, warnings
+    import gc, sys, warnings
     import cupy
     import cai_streams as cs
 
     warnings.simplefilter("error", cs.CudaWarning)  # ("kept ... alive for good") fails
 
     cs.use_backend("cuda")
-    bad = cupy.RawKernel(
-        'extern "C" __global__ void bad() { *(volatile int*)8 = 1; }', "bad"
+    source = open(sys.argv[1]).read()
+    bad = cupy.RawModule(code=source, options=("-std=c++17",)).get_function(
+        "store_to_an_unmapped_address"
     )
     s, c = cs.Stream(), cs.Stream()
     t = cs.track(cupy.zeros(16, cupy.float32))
@@ -52,8 +54,9 @@ _CHILD = textwrap.dedent(
 
 def test_a_real_fault_is_a_device_fault_and_lets_owners_go() -> None:
     pytest.importorskip("cupy")
+    source = Path(__file__).resolve().parents[1] / "kernels" / "device_fault.cu"
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _CHILD, str(source)], capture_output=True, text=True, timeout=120
     )
     assert "fault 7" in out.stdout and "DeviceFaultError" in out.stdout, out.stdout + out.stderr
     assert "owner let go" in out.stdout, out.stdout + out.stderr
