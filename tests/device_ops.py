@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -440,3 +440,24 @@ async def consuming_past_the_open_reads(t: cs.TrackedArray, s: cs.Stream) -> Asy
         for o in others:
             await cs.consume(t, stream=o, timeout=5)
         yield
+
+
+@contextlib.contextmanager
+def writing_in_another_thread(t: cs.TrackedArray, s: cs.Stream) -> Iterator[threading.Event]:
+    """Another thread holds ``t.writing(s)`` open for the body of the block, or
+    until the body sets the event it is given."""
+    entered, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with t.writing(s):
+            entered.set()
+            leave.wait(10)
+
+    th = threading.Thread(target=hold)
+    th.start()
+    try:
+        assert entered.wait(10)
+        yield leave
+    finally:
+        leave.set()
+        th.join(10)

@@ -11,7 +11,6 @@ per-thread default streams held on the host) and select it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import math
 import threading
@@ -33,7 +32,13 @@ from cai_streams import sim
 from cai_streams._hold_table import table
 from cai_streams._pending import PendingWork
 
-from .device_ops import DeviceOps, Latch, SimOps, consuming_past_the_open_reads
+from .device_ops import (
+    DeviceOps,
+    Latch,
+    SimOps,
+    consuming_past_the_open_reads,
+    writing_in_another_thread,
+)
 from .device_ops import held as _held
 from .model import recycled_stream_handles, until
 
@@ -1603,30 +1608,9 @@ async def test_a_consume_timing_out_on_another_tasks_block_names_a_task(
         with pytest.raises(TimeoutError, match="another task's writing"):
             await cs.consume(t, timeout=0.02)
         leave.set()
-    with _writing_in_another_thread(t, s):
+    with writing_in_another_thread(t, s):
         with pytest.raises(TimeoutError, match="another thread's writing"):
             await cs.consume(t, timeout=0.02)
-
-
-@contextlib.contextmanager
-def _writing_in_another_thread(t: cs.TrackedArray, s: cs.Stream) -> Iterator[threading.Event]:
-    """Another thread holds ``t.writing(s)`` open for the body of the block, or
-    until the body sets the event it is given."""
-    entered, leave = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with t.writing(s):
-            entered.set()
-            leave.wait(10)
-
-    th = threading.Thread(target=hold)
-    th.start()
-    try:
-        assert entered.wait(10)
-        yield leave
-    finally:
-        leave.set()
-        th.join(10)
 
 
 def _ones_written_on_p(ops: DeviceOps) -> tuple[cs.Stream, cs.Stream, Any, Any, cs.TrackedArray]:
@@ -1734,7 +1718,7 @@ async def test_consume_all_onto_a_stream_returns_with_no_await_after_any_handoff
     out = ops.array(np.zeros(64, "float32"))
     with t1.writing(p):
         ops.fill(p, t1.array, 1.0)
-    with _writing_in_another_thread(t2, w2) as let_go:
+    with writing_in_another_thread(t2, w2) as let_go:
         latch = ops.latch(w)
 
         async def consumer() -> None:

@@ -19,7 +19,7 @@ import pytest
 import cai_streams as cs
 from cai_streams._loop_thread import loop_running
 
-from .device_ops import DeviceOps
+from .device_ops import DeviceOps, writing_in_another_thread
 
 pytestmark = pytest.mark.anyio
 
@@ -38,6 +38,15 @@ class _Producer:
         cai = dict(self._arr.__cuda_array_interface__)
         cai["stream"] = self._stream
         return cai
+
+
+def _latched_fill(ops: DeviceOps) -> tuple[cs.Stream, Any, Any]:
+    """A stream held by a latch, and an array it then fills with 7s."""
+    s = cs.Stream()
+    arr = ops.array(np.zeros(4, np.float32))
+    latch = ops.latch(s)
+    ops.fill(s, arr, 7.0)
+    return s, arr, latch
 
 
 def _calls(ops: DeviceOps, s: cs.Stream, arr: Any) -> dict[str, Callable[[], object]]:
@@ -61,10 +70,7 @@ INSTEAD = {
 async def test_a_blocking_wait_in_the_loop_thread_warns_at_the_callers_line(
     ops: DeviceOps, anyio_backend: str, call: str
 ) -> None:
-    s = cs.Stream()
-    arr = ops.array(np.zeros(4, np.float32))
-    latch = ops.latch(s)
-    ops.fill(s, arr, 7.0)
+    s, arr, latch = _latched_fill(ops)
     blocking = _calls(ops, s, arr)[call]
     timer = threading.Timer(HELD, latch.release)  # (the loop is blocked: another thread)
     timer.start()
@@ -102,10 +108,7 @@ async def test_a_wait_that_would_not_block_gives_no_warning(
 async def test_a_worker_threads_blocking_wait_gives_no_warning(
     ops: DeviceOps, anyio_backend: str, call: str
 ) -> None:
-    s = cs.Stream()
-    arr = ops.array(np.zeros(4, np.float32))
-    latch = ops.latch(s)
-    ops.fill(s, arr, 7.0)
+    s, arr, latch = _latched_fill(ops)
     blocking = _calls(ops, s, arr)[call]
 
     def in_worker() -> list[warnings.WarningMessage]:
@@ -130,59 +133,16 @@ async def test_a_worker_threads_blocking_wait_gives_no_warning(
     assert ops.to_host(arr).tolist() == [7.0] * 4
 
 
-async def test_waiting_for_another_threads_block_warns(ops: DeviceOps, anyio_backend: str) -> None:
-    """consume_blocking of a tracked array whose writing() block another thread
-    holds blocks the loop until that block ends."""
-    s = cs.Stream()
-    t = cs.track(ops.array(np.zeros(4, np.float32)), stream=s)
-    entered, leave = threading.Event(), threading.Event()
-
-    def writer() -> None:
-        with t.writing(s):
-            ops.fill(s, t, 7.0)
-            entered.set()
-            leave.wait(10)
-
-    th = threading.Thread(target=writer)
-    th.start()
-    try:
-        assert await anyio.to_thread.run_sync(entered.wait, 10)
-        timer = threading.Timer(HELD, leave.set)
-        timer.start()
-        with pytest.warns(cs.LoopBlockingWarning) as caught:
-            cs.consume_blocking(t, stream=cs.Stream())
-        timer.join()
-    finally:
-        leave.set()
-        th.join(10)
-    (w,) = caught.list
-    assert w.filename == __file__
-    message = str(w.message)
-    assert "consume_blocking() is about to wait for another thread's writing()" in message
-    assert "`await cs.consume()`" in message
-
-
 @pytest.mark.parametrize("access", ["writing", "reading", "consume_blocking"])
-async def test_a_wait_for_another_threads_block_names_the_callers_line(
+async def test_a_wait_for_another_threads_block_warns_at_the_callers_line(
     ops: DeviceOps, anyio_backend: str, access: str
 ) -> None:
-    """``writing()`` and ``reading()`` are generator contexts: the warning skips
-    contextlib's frames too, so each caller's line is named (and the default
-    filter's once-per-line does not fold two callers into one)."""
+    """The access waits until the other thread's ``writing()`` block ends.
+    ``writing()`` and ``reading()`` are generator contexts: the warning skips
+    contextlib's frames too, and names this line."""
     s = cs.Stream()
     t = cs.track(ops.array(np.zeros(4, np.float32)), stream=s)
-    lines = []
-
-    def writer(entered: threading.Event, leave: threading.Event) -> None:
-        with t.writing(s):
-            entered.set()
-            leave.wait(10)
-
-    for _ in range(2):
-        entered, leave = threading.Event(), threading.Event()
-        th = threading.Thread(target=writer, args=(entered, leave))
-        th.start()
-        assert await anyio.to_thread.run_sync(entered.wait, 10)
+    with writing_in_another_thread(t, s) as leave:
         timer = threading.Timer(HELD, leave.set)
         timer.start()
         try:
@@ -194,14 +154,12 @@ async def test_a_wait_for_another_threads_block_names_the_callers_line(
                         pass
         finally:
             timer.join()
-            leave.set()
-            th.join(10)
-        (w,) = caught.list
-        assert w.filename == __file__
-        lines.append(w.lineno)
-        instead = "`await cs.consume()`" in str(w.message)
-        assert instead is (access == "consume_blocking")
-    assert lines[0] == lines[1] and lines[0] > 0
+    (w,) = caught.list
+    assert w.filename == __file__, "the warning names a line inside the library or contextlib"
+    message = str(w.message)
+    assert f"{access}() is about to wait for another thread's writing()" in message
+    assert ("`await cs.consume()`" in message) is (access == "consume_blocking")
+    assert "worker thread" in message
 
 
 @pytest.mark.parametrize("kind", ["GPU work", "another thread's block"])
@@ -213,27 +171,16 @@ async def test_a_call_that_would_not_wait_gives_no_warning(
     s = cs.Stream()
     arr = ops.array(np.zeros(4, np.float32))
     latch = ops.latch(s)
-    entered, leave = threading.Event(), threading.Event()
     t = cs.track(ops.array(np.zeros(4, np.float32)), stream=s)
-
-    def writer() -> None:
-        with t.writing(s):
-            entered.set()
-            leave.wait(10)
-
-    th = threading.Thread(target=writer)
-    th.start()
     try:
-        assert await anyio.to_thread.run_sync(entered.wait, 10)
-        target: object = _Producer(arr, s.handle) if kind == "GPU work" else t
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", cs.LoopBlockingWarning)
-            with pytest.raises(TimeoutError):
-                cs.consume_blocking(target, timeout=0)
+        with writing_in_another_thread(t, s):
+            target: object = _Producer(arr, s.handle) if kind == "GPU work" else t
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", cs.LoopBlockingWarning)
+                with pytest.raises(TimeoutError):
+                    cs.consume_blocking(target, timeout=0)
     finally:
-        leave.set()
         latch.release()
-        th.join(10)
 
 
 async def test_a_default_streams_synchronize_always_warns(anyio_backend: str) -> None:
