@@ -137,7 +137,7 @@ class CudaWarning(RuntimeWarning):
 
 
 class LoopBlockingWarning(RuntimeWarning):
-    """A blocking call waited in a thread that runs an event loop.
+    """A blocking call is about to wait in a thread that runs an event loop.
 
     Given when :func:`~cai_streams.consume_blocking`, ``Stream.synchronize()``
     or ``Event.synchronize()`` is about to wait for GPU work that is still

@@ -524,12 +524,11 @@ class PendingWork:
         open reads that keep their stream alive (another library's; one of
         the library's that an export handed out as a bare handle: ``keep``)
         or name a default stream, the oldest is recorded now, so a buffer
-        read on ever-new such streams,
-        and never written, holds neither them nor events (a writer is then
-        ordered after what that consumer had enqueued by then, not after its
-        later work). On a stream capturing a graph this library began, the
-        read is the graph's (each launch is then ordered as a ``reading()``
-        block is)."""
+        read on ever-new such streams, and never written, holds neither them
+        nor events (a writer is then ordered after what that consumer had
+        enqueued by then, not after its later work). On a stream capturing a
+        graph this library began, the read is the graph's (each launch is
+        then ordered as a ``reading()`` block is)."""
         if _capture.any_under_way() and _capture_guard.capturing(self.backend, key) is True:
             _capture.note_captured(self, False, key)
         self._drop_complete(self.reads)
