@@ -91,6 +91,7 @@ class Access:
         "disjoint",
         "event",
         "group",
+        "keeps",
         "key",
         "kind",
         "mark",
@@ -122,6 +123,8 @@ class Access:
         self.waited_by: set[StreamId] = set()
         #: a lazy read's: the newest capture's serial when it was made (``_capture``)
         self.serial = 0
+        #: a lazy read that keeps its stream alive while open (see :meth:`lazy`)
+        self.keeps = False
 
     @property
     def captured(self) -> bool:
@@ -156,7 +159,9 @@ class Access:
         owned ``stream`` alive while the read is open (an export's, whose
         consumer was handed only the handle)."""
         access = cls(work, Kind.READ, stream, key, False)
-        if stream._owned and not keep:
+        if keep:
+            access.keep_stream(stream)
+        elif stream._owned:
             # Not the user's stream itself: dropped, it is collected and its
             # close records this read (a buffer read on ever-new streams,
             # never written, would keep every one of them alive otherwise).
@@ -166,6 +171,16 @@ class Access:
         if not stream._records_later() or (lifetime is not None and not lifetime.listen(access)):
             access._record()
         return access
+
+    def keep_stream(self, stream: Stream) -> None:
+        """Keep ``stream`` alive while this read is open: the user's own stream
+        if owned, or what a borrowed wrapper of one of the library's keeps
+        (its owner), which :meth:`Stream._kept` lets go of."""
+        self.keeps = True
+        if stream._owned:
+            self.stream = stream
+        elif stream._lifetime is not None and not isinstance(stream._keepalive, (int, type(None))):
+            self.stream = stream._same_stream(stream._keepalive, _KeptStream)
 
     def _record(self, on: StreamId | None = None) -> None:
         self.stream._open_for_records()  # a closed stream refuses

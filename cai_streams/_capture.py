@@ -58,7 +58,9 @@ _forks: dict[StreamId, _Capture] = {}
 #: the owned :class:`Stream` of each capture under way in ``_active``: a
 #: capturing stream cannot close (``close()`` refuses), so a dropped one must
 #: not be collected either, whose close would record its consumers' open
-#: reads inside the capture (covering the captured work only)
+#: reads inside the capture (covering the captured work only). A capture
+#: ended behind the library's back is forgotten, and its stream let go, when
+#: the next capture begins or ends, or a consumer read is noted in one.
 _capturing_streams: dict[StreamId, Stream] = {}
 
 
@@ -104,7 +106,7 @@ def note_captured(work: object, writes: bool, key: StreamId) -> None:
     with none there, to the one under way on the backend (a fork from another
     device). Several at once: it cannot be told which, and a launch does not
     order it."""
-    dropped: list[Stream | None] = []
+    dropped: list[Stream] = []  # (let go after the lock: the last reference may close one)
     with _lock:
         capture = _active.get(key)
         if capture is None:
@@ -116,12 +118,7 @@ def note_captured(work: object, writes: bool, key: StreamId) -> None:
             ):
                 _touch(fork, work, writes)
                 return
-            for gone in [k for k in _active if capturing(k.backend, k) is False]:
-                del _active[gone]  # ended or destroyed behind the library's back
-                # (let go after the lock, with this frame: the last reference may close it)
-                dropped.append(_capturing_streams.pop(gone, None))
-            for joined_key in [k for k, c in _forks.items() if _active.get(c.origin) is not c]:
-                del _forks[joined_key]
+            dropped.extend(_forget_ended())
             found = [c for c in _active.values() if c.backend is key.backend]
             here = [c for c in found if c.device == key.device]
             if len(here) == 1 or (not here and len(found) == 1):
@@ -129,6 +126,22 @@ def note_captured(work: object, writes: bool, key: StreamId) -> None:
             else:
                 return
         _touch(capture, work, writes)
+
+
+def _forget_ended() -> list[Stream]:
+    """``_lock`` held: forget the captures that ended or were destroyed behind
+    the library's back (another library's end on the handle, a reset), and
+    the forks into them; the owned streams kept for them are returned, for
+    the caller to let go of once it has released the lock."""
+    dropped = []
+    for gone in [k for k in _active if capturing(k.backend, k) is False]:
+        del _active[gone]
+        kept = _capturing_streams.pop(gone, None)
+        if kept is not None:
+            dropped.append(kept)
+    for joined_key in [k for k, c in _forks.items() if _active.get(c.origin) is not c]:
+        del _forks[joined_key]
+    return dropped
 
 
 def _touch(capture: _Capture, work: object, writes: bool) -> None:
@@ -190,10 +203,12 @@ def begin_capture(stream: Stream, mode: object) -> None:
     stream.backend.begin_capture(stream.handle, checked)
     key = stream._key()
     with _lock:
+        dropped = _forget_ended()  # (each capture begun or ended looks: see its docstring)
         capture = _active[key] = _recent[key] = _Capture(stream.backend, key, next(_serials))
         _newest = capture.serial
         if stream._owned:
             _capturing_streams[key] = stream
+    del dropped  # (outside the lock: the last reference may close one)
 
 
 def end_capture(stream: Stream) -> Graph:
@@ -208,7 +223,8 @@ def end_capture(stream: Stream) -> Graph:
                 kept = _capturing_streams.pop(key, None)
                 for fork in [k for k, c in _forks.items() if c is capture]:
                     del _forks[fork]
-            del kept  # (outside the lock: the last reference may close it)
+                dropped = _forget_ended()
+            del kept, dropped  # (outside the lock: the last reference may close one)
     if capture is not None:
         _note_open_on(capture, key)
     return Graph._made(backend, graph, capture)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 __all__ = [
     "CaiStreamsError",
     "CaptureError",
@@ -17,14 +19,26 @@ __all__ = [
 
 
 def _rebuilt(
-    cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]
+    cls: type[BaseException],
+    args: tuple[object, ...],
+    state: dict[str, object],
+    cause: BaseException | None = None,
 ) -> object:
     """An error as pickled (:meth:`CaiStreamsError.__reduce__`), without
     calling its ``__init__``, whose arguments are not its ``args``."""
     error = cls.__new__(cls, *args)
     error.args = args
     error.__dict__.update(state)
+    error.__cause__ = cause
     return error
+
+
+def _picklable(obj: object) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:  # noqa: BLE001 - whatever refuses: left out
+        return False
+    return True
 
 
 class CaiStreamsError(Exception):
@@ -35,7 +49,14 @@ class CaiStreamsError(Exception):
     """
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuilt, (type(self), self.args, self.__dict__))
+        cause = self.__cause__  # (a KernelError's: the kernel's exception)
+        if cause is not None and not _picklable(cause):
+            cause = None
+        return (_rebuilt, (type(self), self.args, self._state(), cause))
+
+    def _state(self) -> dict[str, object]:
+        """The attributes a pickled or copied error keeps."""
+        return self.__dict__
 
 
 class InterfaceError(CaiStreamsError, ValueError):
@@ -119,13 +140,18 @@ class HazardError(CaiStreamsError, RuntimeError):
 
     The message names both accesses (read or write, which stream or host
     thread, what made it and where in the program), the missing ordering and
-    the fix. ``first`` and ``second`` hold the two accesses.
+    the fix. ``first`` and ``second`` hold the two accesses (the sanitizer's
+    records, which live in this process: a pickled or copied error has None
+    there, and the message).
     """
 
     def __init__(self, message: str, *, first: object = None, second: object = None) -> None:
         super().__init__(message)
         self.first = first
         self.second = second
+
+    def _state(self) -> dict[str, object]:
+        return {**self.__dict__, "first": None, "second": None}
 
 
 class CudaWarning(RuntimeWarning):

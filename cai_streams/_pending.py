@@ -535,8 +535,8 @@ class PendingWork:
         same = key._hash  # (compared first: a buffer may have hundreds of open reads)
         for a in self.reads:
             if a.key._hash == same and a.key == key and a.state is AccessState.LAZY:
-                if keep and stream._owned:  # (an export of it now: it keeps the stream)
-                    a.stream = stream
+                if keep and not a.keeps:  # (an export of it now: it keeps the stream)
+                    a.keep_stream(stream)
                 return  # already open: it covers this consumer's work as well
         self._add(Access.lazy(self, stream, key, keep=keep))
         if len(self.reads) <= MAX_OPEN_READS:
@@ -544,7 +544,7 @@ class PendingWork:
         open_reads = [
             a
             for a in self.reads
-            if a.state is AccessState.LAZY and (a.stream._lifetime is None or a.stream._owned)
+            if a.state is AccessState.LAZY and (a.keeps or a.stream._lifetime is None)
         ]
         excess = len(open_reads) - MAX_OPEN_READS
         for a in open_reads:  # the oldest first, skipping those whose stream captures

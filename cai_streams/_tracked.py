@@ -392,6 +392,9 @@ def export(obj: object, *, stream: object = None) -> dict[str, Any]:
     None: the scheduler's own stream. ``CAI_STREAMS_EXPORT_STREAM=0`` exports
     ``stream: None`` and joins nothing. Only enqueues GPU work; waits only for
     another thread's open ``writing()`` block of a tracked array (bounded).
+    The dict names ``stream`` by its handle: keep ``stream`` referenced while
+    the consumer uses that handle (a dropped stream is closed, and a new one
+    may get its handle).
     """
     backend = current_backend()
     found = lookup(obj, backend)

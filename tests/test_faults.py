@@ -319,17 +319,28 @@ def _child_fault() -> None:
         cs.CudaError(400, "cudaErrorInvalidResourceHandle", "invalid resource handle"),
         cs.CaptureError("not while capturing", code=900),
         cs.InterfaceError("bad shape"),
+        cs.HazardError("two writes unordered", first=threading.RLock(), second=threading.RLock()),
     ],
     ids=lambda e: type(e).__name__,
 )
 def test_errors_pickle_and_copy_whole(error: cs.CaiStreamsError) -> None:
     """A worker process's error reaches its parent (multiprocessing pickles it;
     a CudaError's __init__ takes other arguments than its args, which made
-    unpickling raise TypeError and a ProcessPoolExecutor break)."""
-    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+    unpickling raise TypeError and a ProcessPoolExecutor break). A
+    KernelError keeps its kernel's exception as its cause; a HazardError's
+    accesses (the sanitizer's records, with their locks) stay behind."""
+    for again in (
+        pickle.loads(pickle.dumps(error)),
+        copy.copy(error),
+        copy.deepcopy(error),
+    ):
         assert type(again) is type(error)
         assert str(again) == str(error)
-        assert again.__dict__ == error.__dict__
+        if isinstance(again, cs.HazardError):
+            assert (again.first, again.second) == (None, None)
+        else:
+            assert again.__dict__ == error.__dict__
+        assert repr(again.__cause__) == repr(error.__cause__)
 
 
 def test_a_fault_in_a_worker_process_reaches_the_parent() -> None:

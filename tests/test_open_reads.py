@@ -167,7 +167,7 @@ def test_a_stream_dropped_while_capturing_keeps_its_consumers_read(ops: DeviceOp
     assert (ops.to_host(t.array) == 9.0).all()
 
 
-@pytest.mark.parametrize("how", ["cs.export", "TrackedArray.export"])
+@pytest.mark.parametrize("how", ["cs.export", "TrackedArray.export", "a wrapper of it"])
 def test_an_exported_streams_handle_stays_its_while_the_read_is_open(
     ops: DeviceOps, how: str
 ) -> None:
@@ -182,8 +182,10 @@ def test_an_exported_streams_handle_stays_its_while_the_read_is_open(
     out = ops.array(np.zeros(64, np.float32))
     if how == "cs.export":
         handle = cs.export(t, stream=cs.Stream())["stream"]
-    else:
+    elif how == "TrackedArray.export":
         handle = t.export(cs.Stream())["stream"]
+    else:  # (a borrowed wrapper keeps its stream's owner: so does the read)
+        handle = cs.export(t, stream=cs.Stream.wrap(cs.Stream()))["stream"]
     cs.stats(), cs.stats()
     gc.collect()
     other = cs.Stream()
@@ -197,3 +199,30 @@ def test_an_exported_streams_handle_stays_its_while_the_read_is_open(
     latch.release()
     w.synchronize()
     assert (ops.to_host(out) == 5.0).all()
+
+
+@pytest.mark.parametrize("how", ["reset", "ended elsewhere"])
+def test_a_dropped_streams_capture_ended_behind_the_librarys_back_lets_it_go(how: str) -> None:
+    """The stream kept for its capture is let go once that capture is over,
+    even when it ended without ``end_capture`` (a reset; another library
+    ending it on the handle): at the next capture begun."""
+    from cai_streams import _capture, sim
+
+    cs.use_backend("sim")
+    s = cs.Stream()
+    handle, gone = s.handle, weakref.ref(s)
+    s.begin_capture("relaxed")
+    del s
+    gc.collect()
+    assert gone() is not None
+    if how == "reset":
+        sim.reset()
+    else:
+        sim.device().end_capture(handle)
+    other = cs.Stream()
+    other.begin_capture("relaxed")
+    other.end_capture().close()
+    gc.collect()
+    cs.stats()
+    assert gone() is None, "the stream of a capture that ended was kept"
+    assert not _capture.any_under_way()
