@@ -176,11 +176,13 @@ class Access:
         """Keep ``stream`` alive while this read is open: the user's own stream
         if owned, or what a borrowed wrapper of one of the library's keeps
         (its owner), which :meth:`Stream._kept` lets go of."""
-        self.keeps = True
         if stream._owned:
             self.stream = stream
         elif stream._lifetime is not None and not isinstance(stream._keepalive, (int, type(None))):
             self.stream = stream._same_stream(stream._keepalive, _KeptStream)
+        else:  # (a bare handle: nothing here keeps its stream; a later export may)
+            return
+        self.keeps = True
 
     def _record(self, on: StreamId | None = None) -> None:
         self.stream._open_for_records()  # a closed stream refuses

@@ -62,6 +62,9 @@ _forks: dict[StreamId, _Capture] = {}
 #: ended behind the library's back is forgotten, and its stream let go, when
 #: the next capture begins or ends, or a consumer read is noted in one.
 _capturing_streams: dict[StreamId, Stream] = {}
+#: captures whose end_capture is under way (the driver's end is made outside
+#: ``_lock``): another thread's ``_forget_ended`` leaves them to it
+_ending: set[StreamId] = set()
 
 
 def joined(waiter: StreamId, source: StreamId) -> None:
@@ -134,7 +137,7 @@ def _forget_ended() -> list[Stream]:
     the forks into them; the owned streams kept for them are returned, for
     the caller to let go of once it has released the lock."""
     dropped = []
-    for gone in [k for k in _active if capturing(k.backend, k) is False]:
+    for gone in [k for k in _active if k not in _ending and _ended(k)]:
         del _active[gone]
         kept = _capturing_streams.pop(gone, None)
         if kept is not None:
@@ -142,6 +145,15 @@ def _forget_ended() -> list[Stream]:
     for joined_key in [k for k, c in _forks.items() if _active.get(c.origin) is not c]:
         del _forks[joined_key]
     return dropped
+
+
+def _ended(key: StreamId) -> bool:
+    """Whether the capture under way on ``key`` is over, as far as can be
+    told (a failed ask, a faulted device say: not known, kept)."""
+    try:
+        return capturing(key.backend, key) is False
+    except CudaError:
+        return False
 
 
 def _touch(capture: _Capture, work: object, writes: bool) -> None:
@@ -214,17 +226,23 @@ def begin_capture(stream: Stream, mode: object) -> None:
 def end_capture(stream: Stream) -> Graph:
     backend, handle, key = stream.backend, stream.handle, stream._key()
     capture = kept = None
+    with _lock:
+        _ending.add(key)
     try:
         graph = backend.end_capture(handle)
     finally:
-        if not _still_capturing(backend, handle):
-            with _lock:
+        still = _still_capturing(backend, handle)
+        with _lock:
+            _ending.discard(key)
+            if not still:
                 capture = _active.pop(key, None)
                 kept = _capturing_streams.pop(key, None)
                 for fork in [k for k, c in _forks.items() if c is capture]:
                     del _forks[fork]
                 dropped = _forget_ended()
-            del kept, dropped  # (outside the lock: the last reference may close one)
+            else:
+                dropped = []
+        del kept, dropped  # (outside the lock: the last reference may close one)
     if capture is not None:
         _note_open_on(capture, key)
     return Graph._made(backend, graph, capture)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
-
 __all__ = [
     "CaiStreamsError",
     "CaptureError",
@@ -19,40 +17,29 @@ __all__ = [
 
 
 def _rebuilt(
-    cls: type[BaseException],
-    args: tuple[object, ...],
-    state: dict[str, object],
-    cause: BaseException | None = None,
+    cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]
 ) -> object:
     """An error as pickled (:meth:`CaiStreamsError.__reduce__`), without
     calling its ``__init__``, whose arguments are not its ``args``."""
     error = cls.__new__(cls, *args)
     error.args = args
     error.__dict__.update(state)
-    error.__cause__ = cause
     return error
-
-
-def _picklable(obj: object) -> bool:
-    try:
-        pickle.dumps(obj)
-    except Exception:  # noqa: BLE001 - whatever refuses: left out
-        return False
-    return True
 
 
 class CaiStreamsError(Exception):
     """Base class of every error this library raises on purpose.
 
     Errors pickle and copy with their attributes (``.code``, ``.name``...),
-    so one raised in a worker process reaches its parent whole.
+    so one raised in a worker process reaches its parent; as with any Python
+    exception, the copy has no ``__cause__`` (a KernelError's message names
+    the kernel's exception).
     """
 
     def __reduce__(self) -> tuple[object, ...]:
-        cause = self.__cause__  # (a KernelError's: the kernel's exception)
-        if cause is not None and not _picklable(cause):
-            cause = None
-        return (_rebuilt, (type(self), self.args, self._state(), cause))
+        # (as any exception's pickle or copy, it leaves ``__cause__`` behind: a
+        # user's exception there may not unpickle, and a chain may loop)
+        return (_rebuilt, (type(self), self.args, self._state()))
 
     def _state(self) -> dict[str, object]:
         """The attributes a pickled or copied error keeps."""
@@ -92,7 +79,7 @@ class DeviceFaultError(CudaError):
     ``cudaErrorMpsClientTerminated`` (810) and ``cudaErrorExternalDevice``
     (911; the runtime's docs call it sticky when reported asynchronously). On
     the simulator, a :class:`KernelError` (a subclass). Catch this one to
-    handle a fault the same way on both. In a child process it pickles whole,
+    handle a fault the same way on both. It pickles with its attributes,
     so a parent that runs GPU work in a worker to survive a fault receives it.
     """
 

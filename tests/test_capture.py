@@ -26,7 +26,7 @@ from cai_streams import _capture_guard, _poller, _tracked, sim
 from cai_streams._capture import GraphState
 from cai_streams._scheduler import scheduler_for
 
-from .device_ops import DeviceOps, held
+from .device_ops import DeviceOps, SimOps, held
 from .test_conformance_capture import _code
 
 pytestmark = pytest.mark.anyio
@@ -948,3 +948,49 @@ def test_random_programs_with_work_pending_around_a_capture_match_a_sequential_o
     with sim.simulated(sanitizer=False, jitter=0.002):
         for seed in range(3 * CAPTURE_PROGRAMS):
             _run_mixed_program(seed)
+
+
+def test_a_capture_ending_in_one_thread_is_not_forgotten_by_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread begins and ends a capture just after the driver ended
+    this one, before ``end_capture`` took its bookkeeping: that thread's sweep
+    of captures ended behind the library's back must leave this one to its
+    own end, or its Graph orders nothing and a consumer after the launch
+    reads the buffer before the captured write."""
+    cs.use_backend("sim")
+    ops = SimOps()
+    backend = cs.current_backend()
+    t = cs.track(ops.array(np.full(64, 1.0, np.float32)))
+    s = cs.Stream()
+    s.begin_capture("relaxed")
+    with t.writing(s):
+        ops.fill(s, t.array, 9.0, duration=0.05)  # captured: runs at each launch
+    real_end = type(backend).end_capture
+
+    def end_then_another_thread(self: cs.Backend, handle: int) -> int:
+        graph: int = real_end(self, handle)
+        if handle == s.handle:
+
+            def other() -> None:
+                o = cs.Stream()
+                o.begin_capture("relaxed")
+                o.end_capture().close()
+
+            th = threading.Thread(target=other)
+            th.start()
+            th.join(10)
+        return graph
+
+    monkeypatch.setattr(type(backend), "end_capture", end_then_another_thread)
+    graph = s.end_capture()
+    monkeypatch.undo()
+    launch_on, r = cs.Stream(), cs.Stream()
+    graph.launch(launch_on)
+    out = ops.array(np.zeros(64, np.float32))
+    cs.consume_blocking(t, stream=r)  # ordered after the launch's write
+    ops.copy(r, out, t.array)
+    r.synchronize()
+    launch_on.synchronize()
+    graph.close()
+    assert (ops.to_host(out) == 9.0).all()

@@ -167,7 +167,9 @@ def test_a_stream_dropped_while_capturing_keeps_its_consumers_read(ops: DeviceOp
     assert (ops.to_host(t.array) == 9.0).all()
 
 
-@pytest.mark.parametrize("how", ["cs.export", "TrackedArray.export", "a wrapper of it"])
+@pytest.mark.parametrize(
+    "how", ["cs.export", "TrackedArray.export", "a wrapper of it", "after its bare handle's"]
+)
 def test_an_exported_streams_handle_stays_its_while_the_read_is_open(
     ops: DeviceOps, how: str
 ) -> None:
@@ -184,8 +186,13 @@ def test_an_exported_streams_handle_stays_its_while_the_read_is_open(
         handle = cs.export(t, stream=cs.Stream())["stream"]
     elif how == "TrackedArray.export":
         handle = t.export(cs.Stream())["stream"]
-    else:  # (a borrowed wrapper keeps its stream's owner: so does the read)
+    elif how == "a wrapper of it":  # (a borrowed wrapper keeps its owner: so does the read)
         handle = cs.export(t, stream=cs.Stream.wrap(cs.Stream()))["stream"]
+    else:  # an export onto a bare handle of it first (keeps nothing), then onto it
+        s = cs.Stream()
+        cs.export(t, stream=cs.Stream.wrap(s.handle))
+        handle = cs.export(t, stream=s)["stream"]
+        del s
     cs.stats(), cs.stats()
     gc.collect()
     other = cs.Stream()
