@@ -64,7 +64,7 @@ _forks: dict[StreamId, _Capture] = {}
 _capturing_streams: dict[StreamId, Stream] = {}
 #: captures whose end_capture is under way (the driver's end is made outside
 #: ``_lock``): another thread's ``_forget_ended`` leaves them to it
-_ending: set[StreamId] = set()
+_ending: set[_Capture] = set()
 
 
 def joined(waiter: StreamId, source: StreamId) -> None:
@@ -137,7 +137,7 @@ def _forget_ended() -> list[Stream]:
     the forks into them; the owned streams kept for them are returned, for
     the caller to let go of once it has released the lock."""
     dropped = []
-    for gone in [k for k in _active if k not in _ending and _ended(k)]:
+    for gone in [k for k, c in _active.items() if c not in _ending and _ended(k)]:
         del _active[gone]
         kept = _capturing_streams.pop(gone, None)
         if kept is not None:
@@ -225,24 +225,32 @@ def begin_capture(stream: Stream, mode: object) -> None:
 
 def end_capture(stream: Stream) -> Graph:
     backend, handle, key = stream.backend, stream.handle, stream._key()
-    capture = kept = None
+    kept = None
+    ended = False  # (whether the capture this ends is over, for its Graph)
     with _lock:
-        _ending.add(key)
+        mine = _active.get(key)
+        if mine is not None:
+            _ending.add(mine)
     try:
         graph = backend.end_capture(handle)
     finally:
         still = _still_capturing(backend, handle)
         with _lock:
-            _ending.discard(key)
-            if not still:
-                capture = _active.pop(key, None)
-                kept = _capturing_streams.pop(key, None)
-                for fork in [k for k, c in _forks.items() if c is capture]:
-                    del _forks[fork]
-                dropped = _forget_ended()
-            else:
-                dropped = []
+            if mine is not None:
+                _ending.discard(mine)
+                now = _active.get(key)
+                if now is mine and not still:
+                    del _active[key]
+                    kept = _capturing_streams.pop(key, None)
+                    ended = True
+                elif now is not mine:  # another thread began one on the stream since
+                    ended = True  # the driver ended this one: that one keeps the stream
+                if ended:
+                    for fork in [k for k, c in _forks.items() if c is mine]:
+                        del _forks[fork]
+            dropped = _forget_ended()
         del kept, dropped  # (outside the lock: the last reference may close one)
+    capture = mine if ended else None
     if capture is not None:
         _note_open_on(capture, key)
     return Graph._made(backend, graph, capture)

@@ -535,10 +535,14 @@ class PendingWork:
         same = key._hash  # (compared first: a buffer may have hundreds of open reads)
         for a in self.reads:
             if a.key._hash == same and a.key == key and a.state is AccessState.LAZY:
-                if keep and not a.keeps:  # (an export of it now: it keeps the stream)
-                    a.keep_stream(stream)
-                return  # already open: it covers this consumer's work as well
-        self._add(Access.lazy(self, stream, key, keep=keep))
+                # already open: it covers this consumer's work as well; an export
+                # of it now keeps the stream (the owned one itself, if given it)
+                if not keep or (a.keeps and (not stream._owned or a.stream is stream)):
+                    return
+                a.keep_stream(stream)
+                break  # (it may count toward the bound now)
+        else:
+            self._add(Access.lazy(self, stream, key, keep=keep))
         if len(self.reads) <= MAX_OPEN_READS:
             return  # (within the bound whatever they are)
         open_reads = [

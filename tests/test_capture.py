@@ -950,13 +950,15 @@ def test_random_programs_with_work_pending_around_a_capture_match_a_sequential_o
             _run_mixed_program(seed)
 
 
+@pytest.mark.parametrize("where", ["another stream", "the same stream", "the same, left open"])
 def test_a_capture_ending_in_one_thread_is_not_forgotten_by_another(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """Another thread begins and ends a capture just after the driver ended
-    this one, before ``end_capture`` took its bookkeeping: that thread's sweep
-    of captures ended behind the library's back must leave this one to its
-    own end, or its Graph orders nothing and a consumer after the launch
+    """Another thread begins (and ends) a capture just after the driver ended
+    this one, before ``end_capture`` took its bookkeeping, on another stream
+    or on this one: neither that thread's sweep of captures ended behind the
+    library's back nor its new capture on the stream may take this one's
+    place, or this Graph orders nothing and a consumer after the launch
     reads the buffer before the captured write."""
     cs.use_backend("sim")
     ops = SimOps()
@@ -967,15 +969,18 @@ def test_a_capture_ending_in_one_thread_is_not_forgotten_by_another(
     with t.writing(s):
         ops.fill(s, t.array, 9.0, duration=0.05)  # captured: runs at each launch
     real_end = type(backend).end_capture
+    once: list[None] = []
 
     def end_then_another_thread(self: cs.Backend, handle: int) -> int:
         graph: int = real_end(self, handle)
-        if handle == s.handle:
+        if handle == s.handle and not once:
+            once.append(None)  # (the other thread's own end on s passes through)
 
             def other() -> None:
-                o = cs.Stream()
+                o = cs.Stream() if where == "another stream" else s
                 o.begin_capture("relaxed")
-                o.end_capture().close()
+                if where != "the same, left open":
+                    o.end_capture().close()
 
             th = threading.Thread(target=other)
             th.start()
@@ -985,6 +990,8 @@ def test_a_capture_ending_in_one_thread_is_not_forgotten_by_another(
     monkeypatch.setattr(type(backend), "end_capture", end_then_another_thread)
     graph = s.end_capture()
     monkeypatch.undo()
+    if where == "the same, left open":
+        s.end_capture().close()
     launch_on, r = cs.Stream(), cs.Stream()
     graph.launch(launch_on)
     out = ops.array(np.zeros(64, np.float32))

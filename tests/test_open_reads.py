@@ -27,6 +27,17 @@ from .device_ops import DeviceOps, ForeignStream, foreign_streams
 READERS = MAX_OPEN_READS + 8
 
 
+class _HandleHolder:
+    """Another library's stream object made from a bare handle (as CuPy's
+    ``ExternalStream``): it keeps nothing alive."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
 def _capped_as_before(mp: pytest.MonkeyPatch) -> None:
     """The control: every open read counts toward the bound, as before (the
     oldest reads are recorded before their consumers enqueue their kernels)."""
@@ -168,7 +179,15 @@ def test_a_stream_dropped_while_capturing_keeps_its_consumers_read(ops: DeviceOp
 
 
 @pytest.mark.parametrize(
-    "how", ["cs.export", "TrackedArray.export", "a wrapper of it", "after its bare handle's"]
+    "how",
+    [
+        "cs.export",
+        "TrackedArray.export",
+        "a wrapper of it",
+        "after its bare handle's",
+        "after a holder's",
+        "after a double wrap's",
+    ],
 )
 def test_an_exported_streams_handle_stays_its_while_the_read_is_open(
     ops: DeviceOps, how: str
@@ -188,11 +207,16 @@ def test_an_exported_streams_handle_stays_its_while_the_read_is_open(
         handle = t.export(cs.Stream())["stream"]
     elif how == "a wrapper of it":  # (a borrowed wrapper keeps its owner: so does the read)
         handle = cs.export(t, stream=cs.Stream.wrap(cs.Stream()))["stream"]
-    else:  # an export onto a bare handle of it first (keeps nothing), then onto it
+    else:  # an export onto something naming its handle first (keeps nothing), then onto it
         s = cs.Stream()
-        cs.export(t, stream=cs.Stream.wrap(s.handle))
+        first: object = {
+            "after its bare handle's": cs.Stream.wrap(s.handle),
+            "after a holder's": _HandleHolder(s.handle),
+            "after a double wrap's": cs.Stream.wrap(cs.Stream.wrap(s.handle)),
+        }[how]
+        cs.export(t, stream=first)
         handle = cs.export(t, stream=s)["stream"]
-        del s
+        del s, first
     cs.stats(), cs.stats()
     gc.collect()
     other = cs.Stream()
@@ -233,3 +257,21 @@ def test_a_dropped_streams_capture_ended_behind_the_librarys_back_lets_it_go(how
     cs.stats()
     assert gone() is None, "the stream of a capture that ended was kept"
     assert not _capture.any_under_way()
+
+
+def test_reads_that_come_to_keep_their_stream_stay_bounded(ops: DeviceOps) -> None:
+    """A consume onto each stream (its read keeps nothing), then an export onto
+    it (the same read now keeps the stream): past the bound the oldest are
+    recorded, as for reads that kept their streams from the start."""
+    t = cs.track(ops.array(np.full(64, 5.0, np.float32)))
+    p = cs.Stream()
+    with t.writing(p):
+        ops.fill(p, t.array, 5.0, duration=0.05)
+    streams = [cs.Stream() for _ in range(3 * MAX_OPEN_READS)]
+    for s in streams:
+        cs.consume_blocking(t, stream=s)
+    for s in streams:
+        cs.export(t, stream=s)
+    keeping = [a for a in t._work.reads if a.state is AccessState.LAZY and a.keeps]
+    assert len(keeping) == MAX_OPEN_READS
+    p.synchronize()
