@@ -31,7 +31,7 @@ from ._events import EventPool, Mark, pool_for, record
 from ._identity import StreamId, thread_serial
 from ._stream import Stream, _KeptStream
 
-__all__ = ["Access", "AccessState", "Counters", "Kind"]
+__all__ = ["Access", "AccessState", "Counters", "Kind", "owned_stream_of"]
 
 
 class Kind(enum.Enum):
@@ -77,6 +77,18 @@ class Buffer(Protocol):
     def unfenced_on(self, key: StreamId) -> bool: ...
 
     def _drop(self, access: Access) -> None: ...
+
+
+def owned_stream_of(stream: Stream) -> Stream | None:
+    """The :class:`Stream` the user owns that ``stream`` is, or that a chain
+    of borrowed wrappers of it keeps (``Stream.wrap(s)``); None for a bare
+    handle and for another library's object."""
+    held: object = stream
+    while isinstance(held, Stream):
+        if held._owned:
+            return held
+        held = held._keepalive
+    return None
 
 
 class Access:
@@ -173,14 +185,16 @@ class Access:
         return access
 
     def keep_stream(self, stream: Stream) -> None:
-        """Keep ``stream`` alive while this read is open: the user's own stream
-        if owned, or what a borrowed wrapper of one of the library's keeps
-        (its owner), which :meth:`Stream._kept` lets go of."""
-        if stream._owned:
-            self.stream = stream
+        """Keep ``stream`` alive while this read is open: the library's own
+        stream it stands for (:func:`owned_stream_of`), else what a borrowed
+        wrapper keeps (another library's object, which may hold it). A bare
+        handle keeps nothing, and the read is not marked as keeping."""
+        owner = owned_stream_of(stream)
+        if owner is not None:
+            self.stream = owner
         elif stream._lifetime is not None and not isinstance(stream._keepalive, (int, type(None))):
             self.stream = stream._same_stream(stream._keepalive, _KeptStream)
-        else:  # (a bare handle: nothing here keeps its stream; a later export may)
+        else:
             return
         self.keeps = True
 

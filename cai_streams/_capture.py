@@ -231,10 +231,12 @@ def end_capture(stream: Stream) -> Graph:
         mine = _active.get(key)
         if mine is not None:
             _ending.add(mine)
+    over = False  # (the driver's end returned: the capture is over, whatever begins next)
     try:
         graph = backend.end_capture(handle)
+        over = True
     finally:
-        still = _still_capturing(backend, handle)
+        still = not over and _still_capturing(backend, handle)
         with _lock:
             if mine is not None:
                 _ending.discard(mine)

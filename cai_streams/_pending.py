@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _capture, _capture_guard, _observe
-from ._access import Access, AccessState, Counters, Kind
+from ._access import Access, AccessState, Counters, Kind, owned_stream_of
 from ._backend import Backend
 from ._blocks import Blocked, OpenBlock, Owner, fault_again
 from ._capture_guard import StreamPhase
@@ -536,11 +536,16 @@ class PendingWork:
         for a in self.reads:
             if a.key._hash == same and a.key == key and a.state is AccessState.LAZY:
                 # already open: it covers this consumer's work as well; an export
-                # of it now keeps the stream (the owned one itself, if given it)
-                if not keep or (a.keeps and (not stream._owned or a.stream is stream)):
+                # of it now keeps the stream (the user's own, once it is known)
+                if not keep:
+                    return
+                owner = owned_stream_of(stream)
+                if a.keeps and (owner is None or a.stream is owner):
                     return
                 a.keep_stream(stream)
-                break  # (it may count toward the bound now)
+                self.reads.remove(a)  # (the newest handoff now: the bound takes it last)
+                self.reads.append(a)
+                break
         else:
             self._add(Access.lazy(self, stream, key, keep=keep))
         if len(self.reads) <= MAX_OPEN_READS:

@@ -1001,3 +1001,58 @@ def test_a_capture_ending_in_one_thread_is_not_forgotten_by_another(
     launch_on.synchronize()
     graph.close()
     assert (ops.to_host(out) == 9.0).all()
+
+
+def test_a_capture_begun_on_the_stream_as_its_last_one_ends_does_not_take_its_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread's driver begin on the stream lands after the driver
+    ended this capture and before either's bookkeeping: the stream is
+    capturing again when ``end_capture`` looks, but its own capture is over
+    (the driver's end returned), so its Graph still orders the buffer."""
+    cs.use_backend("sim")
+    ops = SimOps()
+    backend = cs.current_backend()
+    t = cs.track(ops.array(np.full(64, 1.0, np.float32)))
+    s = cs.Stream()
+    s.begin_capture("relaxed")
+    with t.writing(s):
+        ops.fill(s, t.array, 9.0, duration=0.05)
+    real_end, real_begin = type(backend).end_capture, type(backend).begin_capture
+    began, proceed = threading.Event(), threading.Event()
+    once: list[None] = []
+
+    def begin_then_wait(self: cs.Backend, handle: int, mode: Any) -> None:
+        real_begin(self, handle, mode)
+        if threading.current_thread().name == "other":
+            began.set()
+            proceed.wait(10)  # its bookkeeping waits until this end_capture is done
+
+    def end_then_other_begins(self: cs.Backend, handle: int) -> int:
+        graph: int = real_end(self, handle)
+        if handle == s.handle and not once:
+            once.append(None)
+            threading.Thread(target=lambda: s.begin_capture("relaxed"), name="other").start()
+            assert began.wait(10)
+        return graph
+
+    monkeypatch.setattr(type(backend), "end_capture", end_then_other_begins)
+    monkeypatch.setattr(type(backend), "begin_capture", begin_then_wait)
+    try:
+        graph = s.end_capture()
+    finally:
+        monkeypatch.undo()
+        proceed.set()
+    for th in threading.enumerate():
+        if th.name == "other":
+            th.join(10)
+    s.end_capture().close()  # the other thread's
+    launch_on, r = cs.Stream(), cs.Stream()
+    graph.launch(launch_on)
+    out = ops.array(np.zeros(64, np.float32))
+    cs.consume_blocking(t, stream=r)
+    ops.copy(r, out, t.array)
+    r.synchronize()
+    launch_on.synchronize()
+    graph.close()
+    assert (ops.to_host(out) == 9.0).all()

@@ -187,6 +187,7 @@ def test_a_stream_dropped_while_capturing_keeps_its_consumers_read(ops: DeviceOp
         "after its bare handle's",
         "after a holder's",
         "after a double wrap's",
+        "a wrapper of it, after a holder's",
     ],
 )
 def test_an_exported_streams_handle_stays_its_while_the_read_is_open(
@@ -213,10 +214,12 @@ def test_an_exported_streams_handle_stays_its_while_the_read_is_open(
             "after its bare handle's": cs.Stream.wrap(s.handle),
             "after a holder's": _HandleHolder(s.handle),
             "after a double wrap's": cs.Stream.wrap(cs.Stream.wrap(s.handle)),
+            "a wrapper of it, after a holder's": _HandleHolder(s.handle),
         }[how]
         cs.export(t, stream=first)
-        handle = cs.export(t, stream=s)["stream"]
-        del s, first
+        then = cs.Stream.wrap(s) if how.startswith("a wrapper") else s
+        handle = cs.export(t, stream=then)["stream"]
+        del s, first, then
     cs.stats(), cs.stats()
     gc.collect()
     other = cs.Stream()
@@ -275,3 +278,35 @@ def test_reads_that_come_to_keep_their_stream_stay_bounded(ops: DeviceOps) -> No
     keeping = [a for a in t._work.reads if a.state is AccessState.LAZY and a.keeps]
     assert len(keeping) == MAX_OPEN_READS
     p.synchronize()
+
+
+def test_an_export_after_a_consume_onto_its_stream_is_the_newest_read(ops: DeviceOps) -> None:
+    """A consume opened the read on ``s``; then 32 exports onto other streams;
+    then the export onto ``s`` makes that read keep ``s``. It is the newest
+    handoff, so the bound must not record it at once (before the consumer's
+    kernel, which the next writer then overtook)."""
+    t = cs.track(ops.array(np.full(64, 5.0, np.float32)))
+    p = cs.Stream()
+    held = ops.latch(p)  # the producer's write stays pending: exports name their streams
+    with t.writing(p):
+        ops.fill(p, t.array, 5.0)
+    s = cs.Stream()
+    cs.consume_blocking(t, stream=s)
+    others = [cs.Stream() for _ in range(MAX_OPEN_READS)]
+    for o in others:
+        cs.export(t, stream=o)
+    handle = cs.export(t, stream=s)["stream"]
+    (read,) = [a for a in t._work.reads if a.key == s._key()]
+    assert read.state is AccessState.LAZY and read.keeps
+    given = cs.Stream.wrap(handle)
+    out = ops.array(np.zeros(64, np.float32))
+    latch = ops.latch(given)
+    ops.copy(given, out, t.array)  # the consumer's kernel, after its export
+    w = cs.Stream()
+    with t.writing(w):
+        ops.fill(w, t.array, 9.0)
+    held.release()
+    latch.release()
+    for x in (given, w, p, *others):
+        x.synchronize()
+    assert (ops.to_host(out) == 5.0).all()
