@@ -197,7 +197,10 @@ class PendingWork:
             if old.state is AccessState.LAZY and new.state is not AccessState.LAZY:
                 new.release()
                 return
-            accesses[i] = new
+            if new.state is AccessState.LAZY:  # the newest handoff: the bound takes it last
+                accesses[i:] = [*accesses[i + 1 :], new]  # (one step: readers copy unlocked)
+            else:
+                accesses[i] = new
             old.release()
             return
         accesses.append(new)
@@ -533,18 +536,20 @@ class PendingWork:
             _capture.note_captured(self, False, key)
         self._drop_complete(self.reads)
         same = key._hash  # (compared first: a buffer may have hundreds of open reads)
-        for a in self.reads:
+        reads = self.reads
+        for i, a in enumerate(reads):
             if a.key._hash == same and a.key == key and a.state is AccessState.LAZY:
-                # already open: it covers this consumer's work as well; an export
-                # of it now keeps the stream (the user's own, once it is known)
+                # already open: it covers this consumer's work as well, and is the
+                # newest handoff now (the bound takes it last; one step, as
+                # readers copy the list unlocked); an export of it now keeps the
+                # stream (the user's own, once it is known)
+                reads[i:] = [*reads[i + 1 :], a]
                 if not keep:
                     return
                 owner = owned_stream_of(stream)
                 if a.keeps and (owner is None or a.stream is owner):
                     return
                 a.keep_stream(stream)
-                self.reads.remove(a)  # (the newest handoff now: the bound takes it last)
-                self.reads.append(a)
                 break
         else:
             self._add(Access.lazy(self, stream, key, keep=keep))

@@ -310,3 +310,38 @@ def test_an_export_after_a_consume_onto_its_stream_is_the_newest_read(ops: Devic
     for x in (given, w, p, *others):
         x.synchronize()
     assert (ops.to_host(out) == 5.0).all()
+
+
+@pytest.mark.parametrize("first", ["recorded by the bound", "still open"])
+def test_a_repeat_handoff_is_the_newest_read(ops: DeviceOps, first: str) -> None:
+    """A second consume onto another library's stream ``f``, after 32 others:
+    whether the bound had recorded ``f``'s first read (its new read took that
+    one's place in the list) or it was still open, ``f``'s read is now the
+    newest, and the next handoff records the oldest other one instead. A
+    writer then waits for the copy ``f``'s consumer enqueued after its second
+    consume (it overtook it: the read had been recorded at once)."""
+    t = cs.track(ops.array(np.full(64, 5.0, np.float32)))
+    (f,) = foreign_streams(1)
+    others = foreign_streams(MAX_OPEN_READS)
+    cs.consume_blocking(t, stream=f)
+    held = ops.latch(f)  # f's first read, still pending when the bound comes to it
+    if first == "recorded by the bound":
+        for o in others:
+            cs.consume_blocking(t, stream=o)
+        cs.consume_blocking(t, stream=f)
+    else:
+        for o in others[:-1]:
+            cs.consume_blocking(t, stream=o)
+        cs.consume_blocking(t, stream=f)
+        cs.consume_blocking(t, stream=others[-1])  # the next handoff: records the oldest
+    (read,) = [a for a in t._work.reads if a.key == f._key()]
+    assert read.state is AccessState.LAZY, "the newest handoff's read was recorded at once"
+    out = ops.array(np.zeros(64, np.float32))
+    ops.copy(f, out, t.array)  # f's consumer's kernel, after its second consume
+    w = cs.Stream()
+    with t.writing(w):
+        ops.fill(w, t.array, 9.0)
+    held.release()
+    for x in (f, w, *others):
+        x.synchronize()
+    assert (ops.to_host(out) == 5.0).all()
