@@ -33,7 +33,7 @@ from ._blocks import Blocked, OpenBlock, Owner, fault_again
 from ._capture_guard import StreamPhase
 from ._config import settings
 from ._device import OnDevice, view_stream_id
-from ._errors import CudaError, DeviceFaultError
+from ._errors import CaptureError, CudaError, DeviceFaultError
 from ._identity import Lifetime, StreamId, lifetime_of, order_known, stream_id_now
 from ._interface import ArrayView, byte_runs, stream_of
 from ._stream import Stream
@@ -564,8 +564,13 @@ class PendingWork:
         for a in open_reads:  # the oldest first, skipping those whose stream captures
             if excess <= 0:
                 break
-            if self._materialize_outside_capture(a):
-                excess -= 1
+            if a.key == key:  # this handoff's own: its consumer has enqueued nothing yet
+                continue
+            try:
+                if self._materialize_outside_capture(a):
+                    excess -= 1
+            except CaptureError:  # (the legacy stream while a blocking one captures)
+                continue
 
     def _materialize_outside_capture(self, a: Access) -> bool:
         """Record the lazy ``a`` now, unless its stream captures (or this

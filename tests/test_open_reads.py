@@ -345,3 +345,48 @@ def test_a_repeat_handoff_is_the_newest_read(ops: DeviceOps, first: str) -> None
     for x in (f, w, *others):
         x.synchronize()
     assert (ops.to_host(out) == 5.0).all()
+
+
+@pytest.mark.parametrize("older", ["capturing", "the legacy stream, a blocking one capturing"])
+def test_the_bound_never_records_the_handoff_it_is_making(ops: DeviceOps, older: str) -> None:
+    """Past the bound, the older open reads cannot be recorded now: their
+    streams capture (another library's captures), or the oldest is on the
+    legacy stream while a blocking stream captures (asking about it raises
+    CaptureError). The bound skips them, and must skip this handoff's own read
+    too (its consumer has enqueued nothing yet), so a writer waits for the
+    kernel enqueued after the consume; and the consume itself must not raise."""
+    if ops.name != "sim":
+        pytest.skip("another library's captures on raw simulated streams")
+    backend = cs.current_backend()
+    t = cs.track(ops.array(np.full(64, 5.0, np.float32)))
+    if older == "capturing":
+        others = foreign_streams(MAX_OPEN_READS)
+        for o in others:
+            cs.consume_blocking(t, stream=o)
+        capturing = [o.handle for o in others]
+    else:
+        cs.consume_blocking(t, stream=cs.Stream.wrap(1))  # the oldest
+        others = foreign_streams(MAX_OPEN_READS - 1)
+        for o in others:
+            cs.consume_blocking(t, stream=o)
+        capturing = [2]  # a blocking stream: the legacy one may not be asked about
+    for handle in capturing:
+        backend.begin_capture(handle, "relaxed")
+    (f,) = foreign_streams(1)
+    try:
+        cs.consume_blocking(t, stream=f)  # this handoff
+    finally:
+        for handle in capturing:
+            backend.end_capture(handle)
+    (read,) = [a for a in t._work.reads if a.key == f._key()]
+    assert read.state is AccessState.LAZY
+    latch = ops.latch(f)
+    out = ops.array(np.zeros(64, np.float32))
+    ops.copy(f, out, t.array)
+    w = cs.Stream()
+    with t.writing(w):
+        ops.fill(w, t.array, 9.0)
+    latch.release()
+    for x in (f, w, *others):
+        x.synchronize()
+    assert (ops.to_host(out) == 5.0).all()
