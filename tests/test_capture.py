@@ -950,6 +950,34 @@ def test_random_programs_with_work_pending_around_a_capture_match_a_sequential_o
             _run_mixed_program(seed)
 
 
+def _a_captured_fill() -> tuple[SimOps, cs.Backend, cs.TrackedArray, cs.Stream]:
+    """On the simulator: a tracked array of 1s, and a stream capturing a
+    writing() block that fills it with 9s (run at each launch)."""
+    cs.use_backend("sim")
+    ops = SimOps()
+    t = cs.track(ops.array(np.full(64, 1.0, np.float32)))
+    s = cs.Stream()
+    s.begin_capture("relaxed")
+    with t.writing(s):
+        ops.fill(s, t.array, 9.0, duration=0.05)
+    return ops, cs.current_backend(), t, s
+
+
+def _a_consumer_after_its_launch_sees_the_write(
+    ops: SimOps, t: cs.TrackedArray, graph: cs.Graph
+) -> None:
+    """Launch ``graph``; a consumer after the launch must read its 9s."""
+    launch_on, r = cs.Stream(), cs.Stream()
+    graph.launch(launch_on)
+    out = ops.array(np.zeros(64, np.float32))
+    cs.consume_blocking(t, stream=r)  # ordered after the launch's write
+    ops.copy(r, out, t.array)
+    r.synchronize()
+    launch_on.synchronize()
+    graph.close()
+    assert (ops.to_host(out) == 9.0).all()
+
+
 @pytest.mark.parametrize("where", ["another stream", "the same stream", "the same, left open"])
 def test_a_capture_ending_in_one_thread_is_not_forgotten_by_another(
     monkeypatch: pytest.MonkeyPatch, where: str
@@ -960,14 +988,7 @@ def test_a_capture_ending_in_one_thread_is_not_forgotten_by_another(
     library's back nor its new capture on the stream may take this one's
     place, or this Graph orders nothing and a consumer after the launch
     reads the buffer before the captured write."""
-    cs.use_backend("sim")
-    ops = SimOps()
-    backend = cs.current_backend()
-    t = cs.track(ops.array(np.full(64, 1.0, np.float32)))
-    s = cs.Stream()
-    s.begin_capture("relaxed")
-    with t.writing(s):
-        ops.fill(s, t.array, 9.0, duration=0.05)  # captured: runs at each launch
+    ops, backend, t, s = _a_captured_fill()
     real_end = type(backend).end_capture
     once: list[None] = []
 
@@ -992,15 +1013,7 @@ def test_a_capture_ending_in_one_thread_is_not_forgotten_by_another(
     monkeypatch.undo()
     if where == "the same, left open":
         s.end_capture().close()
-    launch_on, r = cs.Stream(), cs.Stream()
-    graph.launch(launch_on)
-    out = ops.array(np.zeros(64, np.float32))
-    cs.consume_blocking(t, stream=r)  # ordered after the launch's write
-    ops.copy(r, out, t.array)
-    r.synchronize()
-    launch_on.synchronize()
-    graph.close()
-    assert (ops.to_host(out) == 9.0).all()
+    _a_consumer_after_its_launch_sees_the_write(ops, t, graph)
 
 
 def test_a_capture_begun_on_the_stream_as_its_last_one_ends_does_not_take_its_graph(
@@ -1010,14 +1023,7 @@ def test_a_capture_begun_on_the_stream_as_its_last_one_ends_does_not_take_its_gr
     ended this capture and before either's bookkeeping: the stream is
     capturing again when ``end_capture`` looks, but its own capture is over
     (the driver's end returned), so its Graph still orders the buffer."""
-    cs.use_backend("sim")
-    ops = SimOps()
-    backend = cs.current_backend()
-    t = cs.track(ops.array(np.full(64, 1.0, np.float32)))
-    s = cs.Stream()
-    s.begin_capture("relaxed")
-    with t.writing(s):
-        ops.fill(s, t.array, 9.0, duration=0.05)
+    ops, backend, t, s = _a_captured_fill()
     real_end, real_begin = type(backend).end_capture, type(backend).begin_capture
     began, proceed = threading.Event(), threading.Event()
     once: list[None] = []
@@ -1047,12 +1053,4 @@ def test_a_capture_begun_on_the_stream_as_its_last_one_ends_does_not_take_its_gr
         if th.name == "other":
             th.join(10)
     s.end_capture().close()  # the other thread's
-    launch_on, r = cs.Stream(), cs.Stream()
-    graph.launch(launch_on)
-    out = ops.array(np.zeros(64, np.float32))
-    cs.consume_blocking(t, stream=r)
-    ops.copy(r, out, t.array)
-    r.synchronize()
-    launch_on.synchronize()
-    graph.close()
-    assert (ops.to_host(out) == 9.0).all()
+    _a_consumer_after_its_launch_sees_the_write(ops, t, graph)

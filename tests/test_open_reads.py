@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +26,24 @@ from cai_streams._pending import MAX_OPEN_READS, PendingWork
 from .device_ops import DeviceOps, ForeignStream, foreign_streams
 
 READERS = MAX_OPEN_READS + 8
+
+
+def _the_writer_waits_for_the_copy(
+    ops: DeviceOps, t: cs.TrackedArray, s: cs.Stream, *held: Any, also: Iterable[cs.Stream] = ()
+) -> None:
+    """The consumer's copy of ``t`` on ``s`` (``t`` holds 5s), then the next
+    writer fills 9s on a stream of its own; the latches ``held`` are let go
+    only then. The copy must read 5s: the writer waited for it."""
+    out = ops.array(np.zeros(64, np.float32))
+    ops.copy(s, out, t.array)  # the consumer's kernel, after its handoff
+    w = cs.Stream()
+    with t.writing(w):
+        ops.fill(w, t.array, 9.0)
+    for latch in held:
+        latch.release()
+    for x in (s, w, *also):
+        x.synchronize()
+    assert (ops.to_host(out) == 5.0).all()
 
 
 class _HandleHolder:
@@ -201,7 +220,6 @@ def test_an_exported_streams_handle_stays_its_while_the_read_is_open(
     p = cs.Stream()
     with t.writing(p):  # pending: the export names its stream
         ops.fill(p, t.array, 5.0, duration=0.01)
-    out = ops.array(np.zeros(64, np.float32))
     if how == "cs.export":
         handle = cs.export(t, stream=cs.Stream())["stream"]
     elif how == "TrackedArray.export":
@@ -225,14 +243,7 @@ def test_an_exported_streams_handle_stays_its_while_the_read_is_open(
     other = cs.Stream()
     assert other.handle != handle, "the exported stream was destroyed"
     given = cs.Stream.wrap(handle)
-    latch = ops.latch(given)
-    ops.copy(given, out, t.array)
-    w = cs.Stream()
-    with t.writing(w):
-        ops.fill(w, t.array, 9.0)
-    latch.release()
-    w.synchronize()
-    assert (ops.to_host(out) == 5.0).all()
+    _the_writer_waits_for_the_copy(ops, t, given, ops.latch(given))
 
 
 @pytest.mark.parametrize("how", ["reset", "ended elsewhere"])
@@ -299,17 +310,7 @@ def test_an_export_after_a_consume_onto_its_stream_is_the_newest_read(ops: Devic
     (read,) = [a for a in t._work.reads if a.key == s._key()]
     assert read.state is AccessState.LAZY and read.keeps
     given = cs.Stream.wrap(handle)
-    out = ops.array(np.zeros(64, np.float32))
-    latch = ops.latch(given)
-    ops.copy(given, out, t.array)  # the consumer's kernel, after its export
-    w = cs.Stream()
-    with t.writing(w):
-        ops.fill(w, t.array, 9.0)
-    held.release()
-    latch.release()
-    for x in (given, w, p, *others):
-        x.synchronize()
-    assert (ops.to_host(out) == 5.0).all()
+    _the_writer_waits_for_the_copy(ops, t, given, held, ops.latch(given), also=(p, *others))
 
 
 @pytest.mark.parametrize("first", ["recorded by the bound", "still open"])
@@ -336,15 +337,7 @@ def test_a_repeat_handoff_is_the_newest_read(ops: DeviceOps, first: str) -> None
         cs.consume_blocking(t, stream=others[-1])  # the next handoff: records the oldest
     (read,) = [a for a in t._work.reads if a.key == f._key()]
     assert read.state is AccessState.LAZY, "the newest handoff's read was recorded at once"
-    out = ops.array(np.zeros(64, np.float32))
-    ops.copy(f, out, t.array)  # f's consumer's kernel, after its second consume
-    w = cs.Stream()
-    with t.writing(w):
-        ops.fill(w, t.array, 9.0)
-    held.release()
-    for x in (f, w, *others):
-        x.synchronize()
-    assert (ops.to_host(out) == 5.0).all()
+    _the_writer_waits_for_the_copy(ops, t, f, held, also=others)
 
 
 @pytest.mark.parametrize("older", ["capturing", "the legacy stream, a blocking one capturing"])
@@ -380,13 +373,4 @@ def test_the_bound_never_records_the_handoff_it_is_making(ops: DeviceOps, older:
             backend.end_capture(handle)
     (read,) = [a for a in t._work.reads if a.key == f._key()]
     assert read.state is AccessState.LAZY
-    latch = ops.latch(f)
-    out = ops.array(np.zeros(64, np.float32))
-    ops.copy(f, out, t.array)
-    w = cs.Stream()
-    with t.writing(w):
-        ops.fill(w, t.array, 9.0)
-    latch.release()
-    for x in (f, w, *others):
-        x.synchronize()
-    assert (ops.to_host(out) == 5.0).all()
+    _the_writer_waits_for_the_copy(ops, t, f, ops.latch(f), also=others)
