@@ -6,6 +6,7 @@ consumer that did not wait sees the old values, deterministically.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import itertools
@@ -27,7 +28,7 @@ import cai_streams as cs
 from cai_streams import _doorbell, sim
 from cai_streams._consume import Mode, _handoff
 
-from .device_ops import DeviceOps, consume_after_latch
+from .device_ops import DeviceOps, consume_after_latch, writing_in_another_thread
 
 pytestmark = pytest.mark.anyio
 
@@ -965,35 +966,20 @@ async def test_a_scope_around_a_consume_that_expires_with_its_timeout_catches_it
         pytest.skip("the sim's latch: a hundred 10 ms waits")
     s = cs.Stream()
     t = cs.track(ops.array(np.zeros(8, "float32")))
-    opened, end = threading.Event(), threading.Event()
-    latch = ops.latch(s)
-    if behind == "a latched kernel":
-        with t.writing(s):
-            ops.fill(s, t.array, 1.0)
-        th = None
-    else:
-
-        def writer() -> None:
-            with t.writing(s):
-                opened.set()
-                end.wait(20)
-
-        th = threading.Thread(target=writer)
-        th.start()
-        assert opened.wait(10)
     escaped = 0
-    try:
+    with contextlib.ExitStack() as behind_it:
+        behind_it.callback(ops.latch(s).release)
+        if behind == "a latched kernel":
+            with t.writing(s):
+                ops.fill(s, t.array, 1.0)
+        else:
+            behind_it.enter_context(writing_in_another_thread(t, s))
         for _ in range(100):
             try:
                 with anyio.move_on_after(0.01):
                     await cs.consume(t, timeout=0.01)
             except TimeoutError:
                 escaped += 1
-    finally:
-        end.set()
-        latch.release()
-        if th is not None:
-            th.join(10)
     s.synchronize()
     assert escaped == 0
 
